@@ -1,0 +1,414 @@
+"""Typed configuration of a training run: model, layout, optimisation, data, nodes and faults.
+
+A `RunSpec` is what the control plane stores for a run and what every rank reads from
+`spec.json`. Each dataclass checks itself in `__post_init__`; cross-field rules that involve
+more than one section live in `RunSpec.__post_init__`. Every failure raises `SpecError` whose
+`field` is the dotted path a form or an API client shows next to the input
+(`layout.tp`, `model.n_heads`), and whose message prints the offending values.
+
+Pure Python: no torch at import, so the control plane validates specs without loading torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Recompute = Literal["none", "selective", "full"]
+Precision = Literal["fp32", "bf16"]
+FaultKind = Literal["kill_rank", "hang_rank", "kill_during_checkpoint", "kill_agent"]
+
+
+class SpecError(ValueError):
+    """A spec value that is not allowed; `field` is its dotted path in the spec."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise SpecError(field, message)
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+            f"{section}.{name}",
+            f"must be a positive integer, got {value!r}",
+        )
+
+
+def _choice(section: str, name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    _require(
+        value in allowed,
+        f"{section}.{name}",
+        f"must be one of {', '.join(map(str, allowed))}; got {value!r}",
+    )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A Llama-style decoder. Names follow Hugging Face `LlamaConfig` where one exists."""
+
+    n_layers: int = 4
+    dim: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: each kv head serves n_heads // n_kv_heads heads
+    vocab_size: int = 2048
+    seq_len: int = 128  # training context; also the exported max_position_embeddings
+    ffn_dim: int = 0  # 0: SwiGLU's 8/3·dim rounded up to a multiple of 64, as Llama does
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
+        _require(
+            self.dim % self.n_heads == 0,
+            "model.dim",
+            f"must be divisible by model.n_heads; got dim={self.dim}, n_heads={self.n_heads}",
+        )
+        _require(
+            (self.dim // self.n_heads) % 2 == 0,
+            "model.dim",
+            f"dim / n_heads (head size) must be even for rotary embeddings; got {self.dim}/{self.n_heads}",
+        )
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            "model.n_kv_heads",
+            f"must divide model.n_heads; got n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}",
+        )
+        _require(self.ffn_dim >= 0, "model.ffn_dim", f"must be ≥ 0 (0 = automatic); got {self.ffn_dim}")
+        _require(self.vocab_size >= 256, "model.vocab_size", f"must be ≥ 256 (byte-level BPE); got {self.vocab_size}")
+        if self.ffn_dim == 0:
+            self.ffn_dim = 64 * -(-(8 * self.dim // 3) // 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Parameter count (untied input and output embeddings)."""
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.dim * self.ffn_dim
+        per_layer = attn + mlp + 2 * self.dim
+        return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
+
+
+@dataclass(kw_only=True)
+class LayoutConfig:
+    """How the ranks split the work: data × tensor × pipeline parallel, sharding, recompute."""
+
+    dp: int = 1  # data-parallel replicas (sharded by FSDP2 when zero > 0)
+    tp: int = 1  # tensor-parallel degree (heads and MLP columns split across ranks)
+    pp: int = 1  # pipeline stages across ranks
+    zero: int = 0  # 0: replicate (all-reduce); 1/2: shard optimizer (+grads); 3: shard parameters too
+    schedule: Schedule = "1f1b"
+    microbatches: int = 1  # pipeline micro-batches per local batch
+    stages_per_rank: int = 1  # >1 only with the interleaved schedule (virtual stages)
+    recompute: Recompute = "none"
+    overlap_grad_reduce: bool = True  # all-reduce gradients during backward instead of after it
+    precision: Precision = "fp32"
+
+    def __post_init__(self) -> None:
+        _positive("layout", self, "dp", "tp", "pp", "microbatches", "stages_per_rank")
+        _choice("layout", "zero", self.zero, (0, 1, 2, 3))
+        _choice("layout", "schedule", self.schedule, get_args(Schedule))
+        _choice("layout", "recompute", self.recompute, get_args(Recompute))
+        _choice("layout", "precision", self.precision, get_args(Precision))
+        if self.schedule != "interleaved_1f1b":
+            _require(
+                self.stages_per_rank == 1,
+                "layout.stages_per_rank",
+                f"must be 1 unless layout.schedule is interleaved_1f1b; got {self.stages_per_rank}",
+            )
+        if self.pp > 1 and self.schedule != "gpipe":
+            _require(
+                self.microbatches >= self.pp,
+                "layout.microbatches",
+                f"the {self.schedule} schedule needs at least one micro-batch per stage; "
+                f"got microbatches={self.microbatches}, pp={self.pp}",
+            )
+        if self.zero > 0:
+            _require(self.dp > 1, "layout.zero", f"ZeRO stage {self.zero} shards over dp, which is 1; use zero=0")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation and checkpointing."""
+
+    steps: int = 50
+    global_batch: int = 8  # sequences per optimizer step, summed over data-parallel ranks
+    grad_accum: int = 1  # forward/backward passes per optimizer step on each dp rank
+    lr: float = 3e-3
+    min_lr: float = 3e-4  # floor of the cosine decay
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    seed: int = 1234
+    checkpoint_interval: int = 25  # steps between checkpoints; the last step is always saved
+    keep_checkpoints: int = 3  # committed checkpoints kept; older ones are deleted
+    async_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "global_batch", "grad_accum", "checkpoint_interval", "keep_checkpoints")
+        _require(self.lr > 0, "train.lr", f"must be > 0; got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", f"must be between 0 and train.lr={self.lr}; got {self.min_lr}")
+        _require(
+            0 <= self.warmup_steps <= self.steps,
+            "train.warmup_steps",
+            f"must be between 0 and train.steps={self.steps}; got {self.warmup_steps}",
+        )
+        _require(self.weight_decay >= 0, "train.weight_decay", f"must be ≥ 0; got {self.weight_decay}")
+        _require(self.grad_clip >= 0, "train.grad_clip", f"must be ≥ 0 (0 disables); got {self.grad_clip}")
+
+
+@dataclass(kw_only=True)
+class NodesConfig:
+    """Hosts of the run. `min`..`max` nodes: the run goes on with as few as `min` after losing nodes."""
+
+    min: int = 1
+    max: int = 1
+    nproc_per_node: int = 0  # ranks per node; 0: world size / max
+    max_restarts: int = 3  # restarts from the last checkpoint before the run fails
+    heartbeat_timeout: float = 10.0  # seconds without a heartbeat before a rank is declared hung
+
+    def __post_init__(self) -> None:
+        _positive("nodes", self, "min", "max")
+        _require(self.min <= self.max, "nodes.min", f"must be ≤ nodes.max; got min={self.min}, max={self.max}")
+        _require(self.nproc_per_node >= 0, "nodes.nproc_per_node", f"must be ≥ 0; got {self.nproc_per_node}")
+        _require(self.max_restarts >= 0, "nodes.max_restarts", f"must be ≥ 0; got {self.max_restarts}")
+        _require(
+            self.heartbeat_timeout > 0,
+            "nodes.heartbeat_timeout",
+            f"must be > 0 seconds; got {self.heartbeat_timeout}",
+        )
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the text comes from; paths are filled in by whoever prepares the run folder."""
+
+    dataset: str = ""  # a .txt or .jsonl file; empty: the built-in demo corpus
+    tokenizer: str = ""  # a tokenizer.json; empty: trained on the dataset
+
+
+@dataclass(kw_only=True)
+class FaultSpec:
+    """A failure injected on purpose, for tests and demos."""
+
+    kind: FaultKind
+    rank: int = 0
+    step: int = 1
+    node: int = 0
+    once: bool = True  # fire only on the first attempt, so the resumed run can finish
+
+    def __post_init__(self) -> None:
+        _choice("faults", "kind", self.kind, get_args(FaultKind))
+        _require(self.rank >= 0, "faults.rank", f"must be ≥ 0; got {self.rank}")
+        _require(self.step >= 1, "faults.step", f"must be ≥ 1; got {self.step}")
+
+
+@dataclass(kw_only=True)
+class RunSpec:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+    faults: list[FaultSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        m, lay, t, n = self.model, self.layout, self.train, self.nodes
+        for name, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads)):
+            _require(
+                value % lay.tp == 0,
+                "layout.tp",
+                f"must divide model.{name}; got tp={lay.tp}, {name}={value}",
+            )
+        _require(m.ffn_dim % lay.tp == 0, "layout.tp", f"must divide model.ffn_dim; got tp={lay.tp}, ffn_dim={m.ffn_dim}")
+        _require(
+            m.vocab_size % lay.tp == 0,
+            "layout.tp",
+            f"must divide model.vocab_size; got tp={lay.tp}, vocab_size={m.vocab_size}",
+        )
+        _require(
+            m.seq_len % lay.tp == 0,
+            "layout.tp",
+            f"must divide model.seq_len (sequence parallel); got tp={lay.tp}, seq_len={m.seq_len}",
+        )
+        stages = lay.pp * lay.stages_per_rank
+        _require(
+            m.n_layers >= stages,
+            "layout.pp",
+            f"pp × stages_per_rank = {stages} pipeline stages need at least that many layers; "
+            f"got model.n_layers={m.n_layers}",
+        )
+        _require(
+            t.global_batch % lay.dp == 0,
+            "train.global_batch",
+            f"must be divisible by layout.dp; got global_batch={t.global_batch}, dp={lay.dp}",
+        )
+        local = t.global_batch // lay.dp
+        _require(
+            local % t.grad_accum == 0,
+            "train.grad_accum",
+            f"must divide the per-replica batch global_batch/dp = {local}; got grad_accum={t.grad_accum}",
+        )
+        micro = local // t.grad_accum
+        if lay.pp > 1:
+            _require(
+                micro % lay.microbatches == 0,
+                "layout.microbatches",
+                f"must divide the per-replica batch per accumulation step "
+                f"(global_batch/dp/grad_accum = {micro}); got microbatches={lay.microbatches}",
+            )
+        nproc = n.nproc_per_node or lay.world_size // n.max
+        _require(
+            nproc * n.max == lay.world_size,
+            "layout.dp",
+            f"dp·tp·pp must equal the world size nodes.max × nproc_per_node; "
+            f"got dp·tp·pp={lay.dp}·{lay.tp}·{lay.pp}={lay.world_size}, nodes.max={n.max}, nproc_per_node={nproc}",
+        )
+        if n.min < n.max:
+            _require(
+                lay.tp * lay.pp <= nproc * n.min and (nproc * n.min) % (lay.tp * lay.pp) == 0,
+                "nodes.min",
+                f"the survivors ({n.min} nodes × {nproc} ranks) must still hold whole tp·pp groups "
+                f"of {lay.tp * lay.pp} ranks",
+            )
+        for i, fault in enumerate(self.faults):
+            _require(
+                fault.rank < lay.world_size,
+                f"faults.{i}.rank",
+                f"must be < world size {lay.world_size}; got {fault.rank}",
+            )
+            _require(fault.step <= t.steps, f"faults.{i}.step", f"must be ≤ train.steps={t.steps}; got {fault.step}")
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.nodes.nproc_per_node or self.layout.world_size // self.nodes.max
+
+    # --- JSON round trip -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSpec:
+        """Builds a spec from plain data; unknown keys and wrong types raise `SpecError`."""
+        if not isinstance(data, dict):
+            raise SpecError("spec", f"must be an object; got {type(data).__name__}")
+        sections: dict[str, type] = {
+            "model": ModelConfig,
+            "layout": LayoutConfig,
+            "train": TrainConfig,
+            "data": DataConfig,
+            "nodes": NodesConfig,
+        }
+        unknown = set(data) - set(sections) - {"faults"}
+        if unknown:
+            name = sorted(unknown)[0]
+            raise SpecError(name, f"is not a spec section; allowed: {', '.join([*sections, 'faults'])}")
+        kwargs: dict[str, Any] = {name: _build(name, section, data.get(name, {})) for name, section in sections.items()}
+        faults = data.get("faults", [])
+        if not isinstance(faults, list):
+            raise SpecError("faults", f"must be a list; got {type(faults).__name__}")
+        kwargs["faults"] = [_build(f"faults.{i}", FaultSpec, f) for i, f in enumerate(faults)]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        return cls.from_dict(json.loads(text))
+
+
+def _build(section: str, cls: type, values: Any) -> Any:
+    if not isinstance(values, dict):
+        raise SpecError(section, f"must be an object; got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in fields:
+            raise SpecError(f"{section}.{key}", f"is not a known field; allowed: {', '.join(fields)}")
+        expected = fields[key].type
+        if expected in ("int", "float", "bool", "str") and not _is_type(value, expected):
+            raise SpecError(f"{section}.{key}", f"must be {_article(expected)}; got {value!r}")
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required field is missing
+        raise SpecError(section, str(exc)) from None
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if name == "bool":
+        return isinstance(value, bool)
+    if name == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def _article(name: str) -> str:
+    return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[name]
+
+
+# --- Named recipes ----------------------------------------------------------------------------
+
+
+def tiny(**layout: Any) -> RunSpec:
+    """A model that trains in seconds on a laptop CPU: for tests and the demo."""
+    return RunSpec(
+        model=ModelConfig(n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=64),
+        layout=LayoutConfig(**layout),
+        train=TrainConfig(steps=30, global_batch=8, checkpoint_interval=10),
+    )
+
+
+def small(**layout: Any) -> RunSpec:
+    """≈ 20M parameters: big enough that matmuls dominate, small enough for a CPU benchmark."""
+    return RunSpec(
+        model=ModelConfig(n_layers=6, dim=384, n_heads=6, n_kv_heads=2, vocab_size=8192, seq_len=256),
+        layout=LayoutConfig(**layout),
+        train=TrainConfig(steps=200, global_batch=16, checkpoint_interval=100),
+    )
+
+
+def llama_1b(**layout: Any) -> RunSpec:
+    """Llama 3.2 1B's shape."""
+    return RunSpec(
+        model=ModelConfig(
+            n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, vocab_size=128256, seq_len=8192,
+            ffn_dim=8192, rope_theta=500000.0,
+        ),
+        layout=LayoutConfig(**layout),
+        train=TrainConfig(steps=10000, global_batch=512, lr=3e-4, min_lr=3e-5, warmup_steps=200, checkpoint_interval=500),
+    )
+
+
+def llama_8b(**layout: Any) -> RunSpec:
+    """Llama 3 8B's shape."""
+    return RunSpec(
+        model=ModelConfig(
+            n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, vocab_size=128256, seq_len=8192,
+            ffn_dim=14336, rope_theta=500000.0,
+        ),
+        layout=LayoutConfig(**layout),
+        train=TrainConfig(steps=10000, global_batch=1024, lr=3e-4, min_lr=3e-5, warmup_steps=500, checkpoint_interval=500),
+    )
+
+
+RECIPES = {"tiny": tiny, "small": small, "1b": llama_1b, "8b": llama_8b}
