@@ -1,0 +1,33 @@
+"""Points where the node agent's machinery plugs into the training loop without editing it.
+
+The trainer calls every hook at fixed points of each step; hooks never change what is
+computed, so a run with hooks produces the same losses as one without. The heartbeat
+(watchdog) and fault injection are hooks; `build_hooks` reads what the agent asked for
+from the environment it set for the rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from training.config import RunSpec
+
+
+class TrainHook(Protocol):
+    def on_step_start(self, step: int) -> None:
+        """Called before the forward pass of optimizer step `step` (1-based)."""
+
+    def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+        """Called after the optimizer step; `metrics` is rank 0's metrics row (empty on other ranks)."""
+
+    def before_checkpoint_commit(self, step: int, staging_dir: Path) -> None:
+        """Called after every shard of a checkpoint is written and before it is committed."""
+
+    def close(self) -> None:
+        """Called once when training ends normally."""
+
+
+def build_hooks(spec: RunSpec, rank: int, world_size: int) -> list[TrainHook]:
+    """The hooks this rank runs; none unless its agent asked for them."""
+    return []
