@@ -1,0 +1,26 @@
+"""ASGI entry: HTTP through Django, websockets through Channels (`daphne controlplane.asgi:application`)."""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+# Django must be set up before the consumers (and the models they import) are loaded.
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+
+from accounts.websocket import TokenOrSessionAuthMiddleware  # noqa: E402
+from controlplane.routing import websocket_urlpatterns  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": AllowedHostsOriginValidator(TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))),
+    }
+)

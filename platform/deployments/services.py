@@ -1,0 +1,91 @@
+"""Domain operations on deployments and their API keys."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from deployments.models import ApiKey, Deployment, DeploymentEvent
+from runs.models import Checkpoint
+from runs.services import InvalidInput
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
+
+
+def check_served_model_name(name: str) -> str:
+    if not _MODEL_NAME.match(name):
+        raise InvalidInput(
+            "served_model_name", "must start with a letter or digit and hold only letters, digits and . _ : / -"
+        )
+    if Deployment.objects.filter(served_model_name=name, status__in=Deployment.ACTIVE).exists():
+        raise InvalidInput("served_model_name", f"{name!r} is already served by another deployment")
+    return name
+
+
+def do_create_deployment(
+    owner: Any, checkpoint: Checkpoint, *, name: str, served_model_name: str, replicas: int, options: dict[str, Any]
+) -> Deployment:
+    served = check_served_model_name(served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-"))
+    with transaction.atomic():
+        deployment = Deployment.objects.create(
+            owner=owner, name=name or served, checkpoint=checkpoint, served_model_name=served, replicas=replicas, options=options
+        )
+        do_record(deployment, "created", {"replicas": replicas, "checkpoint": checkpoint.pk})
+        transaction.on_commit(lambda: _enqueue_start(deployment.pk))
+    return deployment
+
+
+def _enqueue_start(deployment_id: int) -> None:
+    from deployments.tasks import start_deployment
+
+    start_deployment.delay(deployment_id)
+
+
+def do_stop_deployment(deployment: Deployment) -> Deployment:
+    with transaction.atomic():
+        if not Deployment.objects.filter(pk=deployment.pk, status__in=Deployment.ACTIVE).update(
+            status=Deployment.Status.STOPPING
+        ):
+            raise InvalidInput("status", f"only active deployments can be stopped; this one is {deployment.status}")
+        do_record(deployment, "stopping", {})
+        transaction.on_commit(lambda: _enqueue_stop(deployment.pk))
+    deployment.refresh_from_db()
+    return deployment
+
+
+def _enqueue_stop(deployment_id: int) -> None:
+    from deployments.tasks import stop_deployment
+
+    stop_deployment.delay(deployment_id)
+
+
+def do_issue_key(deployment: Deployment, name: str = "") -> tuple[ApiKey, str]:
+    key, raw = ApiKey.issue(deployment, name)
+    return key, raw
+
+
+def do_record(deployment: Deployment, kind: str, data: dict[str, Any]) -> DeploymentEvent:
+    """Appends an event to the deployment's history and publishes it after commit."""
+    with transaction.atomic():
+        Deployment.objects.filter(pk=deployment.pk).update(last_seq=F("last_seq") + 1, last_report_at=timezone.now())
+        seq = Deployment.objects.values_list("last_seq", flat=True).get(pk=deployment.pk)
+        event = DeploymentEvent.objects.create(deployment=deployment, seq=seq, kind=kind, time=timezone.now(), data=data)
+        message = event.as_message()
+        transaction.on_commit(lambda: publish(deployment.pk, [message]))
+    return event
+
+
+def publish(deployment_id: int, messages: list[dict[str, Any]]) -> None:
+    layer = get_channel_layer()
+    if layer is not None:
+        async_to_sync(layer.group_send)(group(deployment_id), {"type": "deployment.events", "events": messages})
+
+
+def group(deployment_id: int) -> str:
+    return f"deployment-{deployment_id}"

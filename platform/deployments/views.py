@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from deployments import services
+from deployments.models import Deployment
+from deployments.serializers import ApiKeySerializer, DeploymentEventSerializer, DeploymentSerializer
+from runs.serializers import raise_invalid
+from runs.services import InvalidInput
+
+
+class DeploymentViewSet(
+    mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    """Checkpoints served by vLLM replicas. Another user's deployment answers 404."""
+
+    serializer_class = DeploymentSerializer
+
+    def get_queryset(self) -> QuerySet[Deployment]:
+        return Deployment.objects.filter(owner=self.request.user).prefetch_related("replica_set")
+
+    def perform_create(self, serializer: Any) -> None:
+        data = serializer.validated_data
+        try:
+            serializer.instance = services.do_create_deployment(
+                self.request.user,
+                data["checkpoint"],
+                name=data.get("name", ""),
+                served_model_name=data.get("served_model_name", ""),
+                replicas=data["replicas"],
+                options=data["options"],
+            )
+        except InvalidInput as exc:
+            raise_invalid(exc)
+
+    @extend_schema(request=None, responses=DeploymentSerializer)
+    @action(detail=True, methods=["post"])
+    def stop(self, request: Request, pk: str) -> Response:
+        try:
+            deployment = services.do_stop_deployment(self.get_object())
+        except InvalidInput as exc:
+            raise_invalid(exc)
+        return Response(DeploymentSerializer(deployment, context={"request": request}).data)
+
+    @extend_schema(
+        parameters=[OpenApiParameter("after", int, description="Only events with a larger seq.")],
+        responses=DeploymentEventSerializer(many=True),
+    )
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str) -> Response:
+        deployment = self.get_object()
+        try:
+            after = int(request.query_params.get("after", 0))
+        except ValueError:
+            return Response({"after": ["must be an integer"]}, status=400)
+        events = deployment.events.filter(seq__gt=after).order_by("seq")[:5000]
+        return Response(DeploymentEventSerializer(events, many=True).data)
+
+    @extend_schema(
+        methods=["post"],
+        request=ApiKeySerializer,
+        responses=inline_serializer("NewApiKey", {"id": serializers.IntegerField(), "key": serializers.CharField()}),
+    )
+    @extend_schema(methods=["get"], responses=ApiKeySerializer(many=True))
+    @action(detail=True, methods=["get", "post"], url_path="keys")
+    def keys(self, request: Request, pk: str) -> Response:
+        """GET lists the deployment's keys; POST creates one and shows its secret this once."""
+        deployment = self.get_object()
+        if request.method == "GET":
+            return Response(ApiKeySerializer(deployment.api_keys.all(), many=True).data)
+        body = ApiKeySerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        key, raw = services.do_issue_key(deployment, body.validated_data.get("name", ""))
+        return Response({**ApiKeySerializer(key).data, "key": raw}, status=status.HTTP_201_CREATED)

@@ -1,0 +1,91 @@
+"""Prepares a run's folder and starts its node agents as detached processes.
+
+Agents outlive the Celery task that starts them: the task returns as soon as they run. Each
+agent is started under `flock -n` on a per-node lock file, so a launch delivered twice (a
+worker killed after it claimed the run) can never start a second agent for the same node.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+from django.conf import settings
+
+from runs.models import Run
+from training.config import RunSpec
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prepare(run: Run) -> tuple[Path, str]:
+    """Writes spec.json with the dataset's path filled in; returns the folder and a fresh run token."""
+    folder = run.folder
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    spec = RunSpec.from_dict(run.spec)
+    if run.dataset is not None:
+        spec.data.dataset = run.dataset.path
+    tmp = folder / "spec.json.tmp"
+    tmp.write_text(spec.to_json())
+    tmp.replace(folder / "spec.json")
+    return folder, secrets.token_urlsafe(32)
+
+
+def start_agents(run: Run, folder: Path, token: str) -> list[int]:
+    spec = RunSpec.from_dict(run.spec)
+    rdzv = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, PYTHONPATH=str(settings.REPO_DIR), OMP_NUM_THREADS="1")
+    pids = []
+    for node in range(spec.nodes.max):
+        command = [
+            "flock", "-n", "-E", "75", str(folder / f"agent-node{node}.lock"),
+            settings.TRAINING_PYTHON, "-m", "training.agent",
+            "--spec", str(folder / "spec.json"),
+            "--run-dir", str(folder),
+            "--node-rank", str(node),
+            "--rdzv-endpoint", rdzv,
+            "--events-url", f"{settings.PUBLIC_URL}/api/runs/{run.pk}/events/",
+            "--run-token", token,
+        ]
+        log = (folder / "logs" / f"agent-node{node}.log").open("ab")
+        process = subprocess.Popen(
+            command, cwd=settings.REPO_DIR, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True,  # the agent must survive the Celery worker that started it
+        )
+        log.close()
+        pids.append(process.pid)
+    return pids
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is not alive.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def request_cancel(run: Run) -> None:
+    """Asks the agents to stop their ranks cleanly: a marker file they poll, and SIGTERM."""
+    run.folder.mkdir(parents=True, exist_ok=True)
+    (run.folder / "cancel").touch()
+    for pid in run.agent_pids:
+        if is_alive(pid):
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass

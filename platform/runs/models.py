@@ -1,0 +1,131 @@
+"""Datasets, training runs, their ordered event history, and their checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.conf import settings
+from django.db import models
+
+
+class Dataset(models.Model):
+    class Format(models.TextChoices):
+        TEXT = "text", "plain text"
+        JSONL = "jsonl", "JSON lines"
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="datasets")
+    name = models.CharField(max_length=200)
+    format = models.CharField(max_length=10, choices=Format.choices)
+    path = models.CharField(max_length=1000, help_text="Absolute path of the file under FATHOM_DATA_DIR.")
+    size_bytes = models.BigIntegerField(default=0)
+    records = models.IntegerField(default=0, help_text="Lines of text, or JSON objects.")
+    sha256 = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Run(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        STARTING = "starting"
+        RUNNING = "running"
+        RESTARTING = "restarting"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        CANCELLED = "cancelled"
+
+    ACTIVE = (Status.QUEUED, Status.STARTING, Status.RUNNING, Status.RESTARTING)
+    FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="runs")
+    name = models.CharField(max_length=200)
+    dataset = models.ForeignKey(Dataset, null=True, blank=True, on_delete=models.PROTECT, related_name="runs")
+    spec = models.JSONField(help_text="A validated training.config.RunSpec as plain data.")
+    status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED, db_index=True)
+    status_reason = models.TextField(blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    resume = models.BooleanField(default=False, help_text="Start from the latest checkpoint of this run.")
+    # Progress, denormalised from events so lists need no event scan.
+    step = models.IntegerField(default=0)
+    last_loss = models.FloatField(null=True, blank=True)
+    tokens_per_s = models.FloatField(null=True, blank=True)
+    restarts = models.IntegerField(default=0)
+    # Events: the run-wide sequence number last handed out (see services.do_ingest_events).
+    last_seq = models.BigIntegerField(default=0)
+    # The node agents' credentials and whereabouts.
+    token_hash = models.CharField(max_length=64, blank=True)
+    agent_pids = models.JSONField(default=list, blank=True)
+    last_report_at = models.DateTimeField(null=True, blank=True)
+    launch_attempts = models.IntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.status})"
+
+    @property
+    def folder(self) -> Path:
+        return settings.RUNS_DIR / str(self.pk)
+
+    @property
+    def layout_label(self) -> str:
+        layout = self.spec.get("layout", {})
+        return f"{layout.get('dp', 1)}×{layout.get('tp', 1)}×{layout.get('pp', 1)}"
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.spec.get("train", {}).get("steps", 0))
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in self.ACTIVE
+
+
+class RunEvent(models.Model):
+    """One thing that happened to a run. `seq` orders a run's history without gaps.
+
+    Node agents number their own events per `source` (`node-0`, `control`, …); `(run, source,
+    source_seq)` is unique, so a batch delivered twice is stored once.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    seq = models.BigIntegerField()
+    source = models.CharField(max_length=64)
+    source_seq = models.BigIntegerField()
+    kind = models.CharField(max_length=32, db_index=True)
+    time = models.DateTimeField()
+    data = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["run", "seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "seq"], name="run_event_seq_unique"),
+            models.UniqueConstraint(fields=["run", "source", "source_seq"], name="run_event_source_seq_unique"),
+        ]
+
+    def as_message(self) -> dict:
+        return {"seq": self.seq, "kind": self.kind, "time": self.time.timestamp(), "source": self.source, **self.data}
+
+
+class Checkpoint(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.IntegerField()
+    path = models.CharField(max_length=1000)
+    export_path = models.CharField(max_length=1000, blank=True, help_text="Hugging Face export, once made.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["run", "step"]
+        constraints = [models.UniqueConstraint(fields=["run", "step"], name="checkpoint_step_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.run.name} step {self.step}"

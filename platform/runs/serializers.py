@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from runs import services
+from runs.models import Checkpoint, Dataset, Run, RunEvent
+from training.config import RECIPES
+
+
+def nested_error(field: str, message: str) -> dict[str, Any]:
+    """`spec.layout.tp` → {"spec": {"layout": {"tp": [message]}}}, DRF's shape for nested fields."""
+    head, _, rest = field.partition(".")
+    return {head: nested_error(rest, message) if rest else [message]}
+
+
+def raise_invalid(exc: services.InvalidInput) -> None:
+    raise serializers.ValidationError(nested_error(exc.field, exc.message))
+
+
+class DatasetSerializer(serializers.ModelSerializer):
+    file = serializers.FileField(write_only=True, required=False, help_text="A .txt or .jsonl file.")
+    path = serializers.CharField(required=False, help_text="Or a file already under FATHOM_DATA_DIR.")
+    name = serializers.CharField(required=False, allow_blank=True, max_length=200)
+
+    class Meta:
+        model = Dataset
+        fields = ["id", "name", "format", "file", "path", "size_bytes", "records", "sha256", "created_at"]
+        read_only_fields = ["format", "size_bytes", "records", "sha256", "created_at"]
+
+    def create(self, validated: dict[str, Any]) -> Dataset:
+        try:
+            return services.do_create_dataset(
+                self.context["request"].user,
+                validated.get("name", ""),
+                upload=validated.get("file"),
+                path=validated.get("path", ""),
+            )
+        except services.InvalidInput as exc:
+            raise_invalid(exc)
+            raise
+
+
+class RunSerializer(serializers.ModelSerializer):
+    recipe = serializers.ChoiceField(
+        choices=list(RECIPES), default="tiny", write_only=True, help_text="Defaults the spec starts from."
+    )
+    spec = serializers.JSONField(
+        default=dict, help_text="Overrides of the recipe: sections model, layout, train, nodes, faults."
+    )
+    dataset = serializers.PrimaryKeyRelatedField(queryset=Dataset.objects.none(), required=False, allow_null=True)
+    layout = serializers.CharField(source="layout_label", read_only=True)
+    total_steps = serializers.IntegerField(read_only=True)
+
+    class Meta:
+        model = Run
+        fields = [
+            "id", "name", "recipe", "spec", "dataset", "status", "status_reason", "layout", "step",
+            "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
+            "created_at", "started_at", "finished_at",
+        ]
+        read_only_fields = [
+            "status", "status_reason", "step", "last_loss", "tokens_per_s", "restarts", "last_seq",
+            "cancel_requested", "created_at", "started_at", "finished_at",
+        ]
+        extra_kwargs = {"name": {"required": False}}
+
+    def get_fields(self) -> dict[str, Any]:
+        fields = super().get_fields()
+        request = self.context.get("request")
+        if request is not None and request.user.is_authenticated:
+            # Only the caller's own datasets can be chosen; another user's id reads as unknown.
+            fields["dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
+        return fields
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            attrs["run_spec"] = services.check_spec(attrs.get("spec", {}), attrs.pop("recipe", "tiny"))
+        except services.InvalidInput as exc:
+            raise_invalid(exc)
+        return attrs
+
+    def create(self, validated: dict[str, Any]) -> Run:
+        name = validated.get("name") or "run"
+        return services.do_create_run(self.context["request"].user, name, validated["run_spec"], validated.get("dataset"))
+
+
+class RunEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = RunEvent
+        fields = ["seq", "source", "source_seq", "kind", "time", "data"]
+
+
+class CheckpointSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Checkpoint
+        fields = ["id", "run", "step", "path", "export_path", "created_at"]
+
+
+class IngestEventSerializer(serializers.Serializer):
+    seq = serializers.IntegerField(min_value=1)
+    kind = serializers.CharField(max_length=32)
+    time = serializers.FloatField(required=False)
+    data = serializers.DictField(required=False, default=dict)
+
+
+class IngestSerializer(serializers.Serializer):
+    source = serializers.RegexField(r"^[A-Za-z0-9_.:-]{1,64}$", help_text="The sender, e.g. node-0.")
+    events = IngestEventSerializer(many=True, allow_empty=True, max_length=10000)

@@ -1,0 +1,344 @@
+"""Domain operations on datasets and runs. Views, consumers, tasks and the CLI call these.
+
+`check_*` validate and raise; `do_*` change state, record events and publish them after the
+transaction commits, so a websocket never shows what the database does not hold.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import secrets
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from runs.models import Checkpoint, Dataset, Run, RunEvent
+from training.config import RECIPES, RunSpec, SpecError
+
+CONTROL_SOURCE = "control"
+
+# --- Specs -------------------------------------------------------------------------------------
+
+
+class InvalidInput(ValueError):
+    """Bad input from a user; `field` is the dotted path of the offending value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def check_spec(spec: dict[str, Any], recipe: str = "tiny") -> RunSpec:
+    """A full RunSpec: the recipe's values, overridden by what the user gave."""
+    if recipe not in RECIPES:
+        raise InvalidInput("recipe", f"must be one of {', '.join(RECIPES)}; got {recipe!r}")
+    if not isinstance(spec, dict):
+        raise InvalidInput("spec", "must be an object with sections model, layout, train, nodes, faults")
+    base = RECIPES[recipe]().to_dict()
+    try:
+        return RunSpec.from_dict(_deep_merge(base, spec))
+    except SpecError as exc:
+        raise InvalidInput(f"spec.{exc.field}", exc.message) from None
+
+
+# --- Datasets -------------------------------------------------------------------------------
+
+
+def _scan_dataset(path: Path, fmt: str) -> tuple[int, str]:
+    """Counts records and hashes the file; a JSONL line that is not an object with text fails."""
+    digest = hashlib.sha256()
+    records = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            digest.update(raw)
+            line = raw.strip()
+            if not line:
+                continue
+            if fmt == Dataset.Format.JSONL:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InvalidInput("file", f"line {number} is not valid JSON ({exc.msg})") from None
+                if not isinstance(obj, dict) or not (isinstance(obj.get("text"), str) or isinstance(obj.get("messages"), list)):
+                    raise InvalidInput("file", f'line {number} must be an object with a "text" string or a "messages" list')
+            else:
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InvalidInput("file", f"line {number} is not UTF-8 text") from None
+            records += 1
+    if records == 0:
+        raise InvalidInput("file", "holds no text")
+    return records, digest.hexdigest()
+
+
+def dataset_format(filename: str) -> str:
+    suffix = Path(filename).suffix.lower()
+    if suffix in (".txt", ".text", ".md"):
+        return Dataset.Format.TEXT
+    if suffix in (".jsonl", ".ndjson"):
+        return Dataset.Format.JSONL
+    raise InvalidInput("file", f"must be a .txt or .jsonl file; got {Path(filename).name!r}")
+
+
+def check_dataset_path(raw: str) -> Path:
+    path = Path(raw)
+    if not path.is_absolute():
+        path = settings.DATA_DIR / path
+    path = path.resolve()
+    if not path.is_relative_to(settings.DATA_DIR):
+        raise InvalidInput("path", f"must be inside the data directory {settings.DATA_DIR}")
+    if not path.is_file():
+        raise InvalidInput("path", f"no file at {path}")
+    return path
+
+
+def do_create_dataset(owner: Any, name: str, *, upload: Any = None, path: str = "") -> Dataset:
+    """Stores an uploaded file (or registers one under the data dir) after checking every line."""
+    if (upload is None) == (not path):
+        raise InvalidInput("file", "give either an uploaded file or a path under the data directory")
+    if upload is not None:
+        fmt = dataset_format(upload.name)
+        if upload.size > settings.MAX_DATASET_BYTES:
+            raise InvalidInput("file", f"is {upload.size} bytes; the limit is {settings.MAX_DATASET_BYTES}")
+        folder = settings.DATASETS_DIR / secrets.token_hex(8)
+        folder.mkdir(parents=True)
+        target = folder / Path(upload.name).name
+        with target.open("wb") as out:
+            for chunk in upload.chunks():
+                out.write(chunk)
+        try:
+            records, sha = _scan_dataset(target, fmt)
+        except InvalidInput:
+            target.unlink()
+            folder.rmdir()
+            raise
+    else:
+        target = check_dataset_path(path)
+        fmt = dataset_format(target.name)
+        records, sha = _scan_dataset(target, fmt)
+    return Dataset.objects.create(
+        owner=owner,
+        name=name or target.name,
+        format=fmt,
+        path=str(target),
+        size_bytes=target.stat().st_size,
+        records=records,
+        sha256=sha,
+    )
+
+
+# --- Runs ------------------------------------------------------------------------------------
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def do_create_run(owner: Any, name: str, spec: RunSpec, dataset: Dataset | None) -> Run:
+    with transaction.atomic():
+        run = Run.objects.create(owner=owner, name=name, spec=spec.to_dict(), dataset=dataset)
+        _record(run, "queued", {"status": Run.Status.QUEUED})
+        transaction.on_commit(lambda: _enqueue_launch(run.pk))
+    return run
+
+
+def _enqueue_launch(run_id: int) -> None:
+    from runs.tasks import launch_run
+
+    launch_run.delay(run_id)
+
+
+def do_cancel_run(run: Run) -> Run:
+    """Asks the run to stop. A queued run stops at once; a live one when its agent says so."""
+    if not run.is_active:
+        raise InvalidInput("status", f"only queued, starting, running or restarting runs can be cancelled; this one is {run.status}")
+    with transaction.atomic():
+        # Claim a queued run before its launch task does: whichever UPDATE matches wins.
+        if Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED).update(
+            status=Run.Status.CANCELLED, cancel_requested=True, finished_at=timezone.now()
+        ):
+            _record(run, "cancelled", {"status": Run.Status.CANCELLED, "reason": "cancelled before it started"})
+        else:
+            Run.objects.filter(pk=run.pk).update(cancel_requested=True)
+            _record(run, "cancel_requested", {})
+            transaction.on_commit(lambda: _signal_cancel(run.pk))
+    run.refresh_from_db()
+    return run
+
+
+def _signal_cancel(run_id: int) -> None:
+    from runs.launcher import request_cancel
+
+    request_cancel(Run.objects.get(pk=run_id))
+
+
+def do_resume_run(run: Run) -> Run:
+    """Queues a failed or cancelled run again; it continues from its latest checkpoint."""
+    with transaction.atomic():
+        claimed = Run.objects.filter(pk=run.pk, status__in=[Run.Status.FAILED, Run.Status.CANCELLED]).update(
+            status=Run.Status.QUEUED, resume=True, cancel_requested=False, status_reason="", finished_at=None
+        )
+        if not claimed:
+            raise InvalidInput("status", f"only failed or cancelled runs can be resumed; this one is {run.status}")
+        _record(run, "queued", {"status": Run.Status.QUEUED, "resume": True})
+        transaction.on_commit(lambda: _enqueue_launch(run.pk))
+    run.refresh_from_db()
+    return run
+
+
+def do_set_status(run: Run, status: str, reason: str = "", *, only_from: Iterable[str] = Run.ACTIVE) -> bool:
+    """Moves an active run to `status` and records it; False if the run had already moved on."""
+    now = timezone.now()
+    changes: dict[str, Any] = {"status": status, "status_reason": reason}
+    if status in Run.FINISHED:
+        changes["finished_at"] = now
+    if status == Run.Status.RUNNING:
+        changes["started_at"] = now
+    with transaction.atomic():
+        if not Run.objects.filter(pk=run.pk, status__in=list(only_from)).update(**changes):
+            return False
+        _record(run, "status", {"status": status, "reason": reason})
+    run.refresh_from_db()
+    return True
+
+
+# --- Events ------------------------------------------------------------------------------------
+
+# How an agent's event moves the run's status. Finished runs never move (see _apply).
+_STATUS_BY_KIND = {
+    "agent_started": Run.Status.STARTING,
+    "metrics": Run.Status.RUNNING,
+    "resumed": Run.Status.RUNNING,
+    "restarting": Run.Status.RESTARTING,
+    "succeeded": Run.Status.SUCCEEDED,
+    "failed": Run.Status.FAILED,
+    "cancelled": Run.Status.CANCELLED,
+}
+
+
+def _event_time(value: Any) -> datetime:
+    if isinstance(value, (int, float)):
+        return datetime.fromtimestamp(value, tz=UTC)
+    return timezone.now()
+
+
+def _next_seqs(run: Run, count: int) -> int:
+    """Reserves `count` run-wide sequence numbers and returns the first.
+
+    The UPDATE takes the row lock before reading, so two ingests never get the same numbers
+    (on SQLite the IMMEDIATE transaction serialises writers instead).
+    """
+    Run.objects.filter(pk=run.pk).update(last_seq=F("last_seq") + count)
+    last = Run.objects.values_list("last_seq", flat=True).get(pk=run.pk)
+    return last - count + 1
+
+
+def _record(run: Run, kind: str, data: dict[str, Any]) -> RunEvent:
+    """Records an event of the control plane itself; call inside a transaction."""
+    seq = _next_seqs(run, 1)
+    event = RunEvent.objects.create(
+        run=run, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=timezone.now(), data=data
+    )
+    transaction.on_commit(lambda: publish_run_events(run.pk, [event.as_message()]))
+    return event
+
+
+def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int:
+    """Stores an agent's batch (duplicates ignored), applies it to the run, publishes after commit.
+
+    Returns the highest `source_seq` held from this source, which the agent takes as its ack.
+    """
+    with transaction.atomic():
+        held = set(
+            RunEvent.objects.filter(
+                run=run, source=source, source_seq__in=[e["seq"] for e in events]
+            ).values_list("source_seq", flat=True)
+        )
+        fresh = sorted((e for e in events if e["seq"] not in held), key=lambda e: e["seq"])
+        # A batch may repeat a seq within itself when a reporter retried mid-write.
+        unique = list({e["seq"]: e for e in fresh}.values())
+        stored: list[RunEvent] = []
+        if unique:
+            first = _next_seqs(run, len(unique))
+            stored = RunEvent.objects.bulk_create(
+                RunEvent(
+                    run=run,
+                    seq=first + i,
+                    source=source,
+                    source_seq=e["seq"],
+                    kind=e["kind"],
+                    time=_event_time(e.get("time")),
+                    data=e.get("data") or {},
+                )
+                for i, e in enumerate(unique)
+            )
+            _apply(run, stored)
+        last = (
+            RunEvent.objects.filter(run=run, source=source).order_by("-source_seq").values_list("source_seq", flat=True).first()
+        )
+        messages = [e.as_message() for e in stored]
+        if messages:
+            transaction.on_commit(lambda: publish_run_events(run.pk, messages))
+    return int(last or 0)
+
+
+def _apply(run: Run, events: list[RunEvent]) -> None:
+    changes: dict[str, Any] = {"last_report_at": timezone.now()}
+    status = None
+    restarts = 0
+    for event in events:
+        data = event.data
+        if event.kind == "metrics":
+            changes.update(step=data.get("step", 0), last_loss=data.get("loss"), tokens_per_s=data.get("tokens_per_s"))
+        elif event.kind == "checkpoint":
+            Checkpoint.objects.get_or_create(run=run, step=data["step"], defaults={"path": data["path"]})
+        elif event.kind == "restarting":
+            restarts += 1
+        elif event.kind == "failed" or event.kind == "succeeded" or event.kind == "cancelled":
+            changes["status_reason"] = data.get("reason", "")
+        status = _STATUS_BY_KIND.get(event.kind, status)
+    if restarts:
+        changes["restarts"] = F("restarts") + restarts
+    Run.objects.filter(pk=run.pk).update(**changes)
+    if status is not None and status != run.status:
+        now = timezone.now()
+        extra: dict[str, Any] = {"finished_at": now} if status in Run.FINISHED else {}
+        if status == Run.Status.RUNNING:
+            extra["started_at"] = run.started_at or now
+        Run.objects.filter(pk=run.pk, status__in=Run.ACTIVE).update(status=status, **extra)
+
+
+def publish_run_events(run_id: int, messages: list[dict[str, Any]]) -> None:
+    layer = get_channel_layer()
+    if layer is not None:
+        async_to_sync(layer.group_send)(run_group(run_id), {"type": "run.events", "events": messages})
+
+
+def run_group(run_id: int) -> str:
+    return f"run-{run_id}"
+
+
+def events_after(run: Run, after: int, limit: int = 5000) -> list[dict[str, Any]]:
+    return [e.as_message() for e in run.events.filter(seq__gt=after).order_by("seq")[:limit]]

@@ -1,0 +1,14 @@
+from django.urls import include, path
+from rest_framework.routers import DefaultRouter
+
+from runs.views import CheckpointViewSet, DatasetViewSet, RunEventsView, RunViewSet
+
+router = DefaultRouter(trailing_slash=True)
+router.register("datasets", DatasetViewSet, basename="dataset")
+router.register("runs", RunViewSet, basename="run")
+router.register("checkpoints", CheckpointViewSet, basename="checkpoint")
+
+urlpatterns = [
+    path("runs/<int:run_id>/events/", RunEventsView.as_view(), name="run-events"),
+    path("", include(router.urls)),
+]

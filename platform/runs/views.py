@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from django.db.models import QuerySet
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from runs import logs, services
+from runs.models import Checkpoint, Dataset, Run
+from runs.serializers import (
+    CheckpointSerializer,
+    DatasetSerializer,
+    IngestSerializer,
+    RunEventSerializer,
+    RunSerializer,
+    raise_invalid,
+)
+
+
+class DatasetViewSet(
+    mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    serializer_class = DatasetSerializer
+
+    def get_queryset(self) -> QuerySet[Dataset]:
+        return Dataset.objects.filter(owner=self.request.user)
+
+
+class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Training runs. Another user's run answers 404, as if it did not exist."""
+
+    serializer_class = RunSerializer
+
+    def get_queryset(self) -> QuerySet[Run]:
+        runs = Run.objects.filter(owner=self.request.user)
+        if status_filter := self.request.query_params.get("status"):
+            runs = runs.filter(status__in=status_filter.split(","))
+        return runs
+
+    @extend_schema(request=None, responses=RunSerializer)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str) -> Response:
+        try:
+            run = services.do_cancel_run(self.get_object())
+        except services.InvalidInput as exc:
+            raise_invalid(exc)
+        return Response(RunSerializer(run, context={"request": request}).data)
+
+    @extend_schema(request=None, responses=RunSerializer)
+    @action(detail=True, methods=["post"])
+    def resume(self, request: Request, pk: str) -> Response:
+        try:
+            run = services.do_resume_run(self.get_object())
+        except services.InvalidInput as exc:
+            raise_invalid(exc)
+        return Response(RunSerializer(run, context={"request": request}).data)
+
+    @extend_schema(request=RunSerializer, responses=RunSerializer)
+    @action(detail=True, methods=["post"])
+    def clone(self, request: Request, pk: str) -> Response:
+        """A new run from this one's spec, with the edits in the body merged over it."""
+        source = self.get_object()
+        body: dict[str, Any] = {
+            "name": request.data.get("name") or f"{source.name} (clone)",
+            "dataset": request.data.get("dataset", source.dataset_id),
+            "spec": services._deep_merge(source.spec, request.data.get("spec") or {}),
+        }
+        serializer = RunSerializer(data=body, context={"request": request})
+        serializer.is_valid(raise_exception=True)
+        run = serializer.save()
+        return Response(RunSerializer(run, context={"request": request}).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses=CheckpointSerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def checkpoints(self, request: Request, pk: str) -> Response:
+        run = self.get_object()
+        return Response(CheckpointSerializer(run.checkpoints.all(), many=True).data)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("rank", int, description="Rank whose log to read (default 0)."),
+            OpenApiParameter("lines", int, description="Lines from the end (default 200, at most 5000)."),
+        ],
+        responses=inline_serializer("LogTail", {"rank": serializers.IntegerField(), "lines": serializers.ListField()}),
+    )
+    @action(detail=True, methods=["get"])
+    def logs(self, request: Request, pk: str) -> Response:
+        run = self.get_object()
+        try:
+            rank = int(request.query_params.get("rank", 0))
+            count = min(int(request.query_params.get("lines", 200)), 5000)
+        except ValueError:
+            return Response({"rank": ["must be an integer"]}, status=400)
+        return Response({"rank": rank, "lines": logs.tail(run, rank, count)})
+
+
+class RunEventsView(APIView):
+    """GET: a run's history for its owner (`?after=SEQ`). POST: a node agent's batch (run token)."""
+
+    def get_permissions(self) -> list[Any]:
+        return [AllowAny()] if self.request.method == "POST" else super().get_permissions()
+
+    def get_authenticators(self) -> list[Any]:
+        # Agents authenticate with their run's bearer token, checked in post(); no session/CSRF.
+        return [] if self.request.method == "POST" else super().get_authenticators()
+
+    @extend_schema(
+        parameters=[OpenApiParameter("after", int, description="Only events with a larger seq.")],
+        responses=RunEventSerializer(many=True),
+    )
+    def get(self, request: Request, run_id: int) -> Response:
+        run = get_object_or_404(Run, pk=run_id, owner=request.user)
+        try:
+            after = int(request.query_params.get("after", 0))
+        except ValueError:
+            return Response({"after": ["must be an integer"]}, status=400)
+        events = run.events.filter(seq__gt=after).order_by("seq")[:5000]
+        return Response(RunEventSerializer(events, many=True).data)
+
+    @extend_schema(
+        request=IngestSerializer,
+        responses=inline_serializer("IngestAck", {"last_seq": serializers.IntegerField()}),
+    )
+    def post(self, request: Request, run_id: int) -> Response:
+        run = Run.objects.filter(pk=run_id).first()
+        auth = request.headers.get("Authorization", "")
+        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        if run is None or not token or not run.token_hash or not hmac.compare_digest(
+            services.hash_token(token), run.token_hash
+        ):
+            return Response({"detail": "A valid run token is required."}, status=status.HTTP_401_UNAUTHORIZED)
+        body = IngestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        last = services.do_ingest_events(run, body.validated_data["source"], body.validated_data["events"])
+        return Response({"last_seq": last})
+
+
+class CheckpointViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    serializer_class = CheckpointSerializer
+
+    def get_queryset(self) -> QuerySet[Checkpoint]:
+        return Checkpoint.objects.filter(run__owner=self.request.user).select_related("run")
