@@ -30,4 +30,20 @@ class TrainHook(Protocol):
 
 def build_hooks(spec: RunSpec, rank: int, world_size: int) -> list[TrainHook]:
     """The hooks this rank runs; none unless its agent asked for them."""
-    return []
+    # Imported here so that importing the contract stays free of the agent's machinery.
+    import os
+
+    from training.faults import FaultHook
+    from training.heartbeat import HeartbeatHook
+    from training.rankenv import RankEnvironment
+
+    env = RankEnvironment.from_environ()
+    if env is None:
+        return []
+    hooks: list[TrainHook] = [HeartbeatHook(env.heartbeat_file, rank, env.heartbeat_interval)]
+    if spec.faults:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        hooks.append(
+            FaultHook(spec.faults, rank=rank, local_rank=local_rank, node_rank=env.node_rank, markers_dir=env.faults_dir)
+        )
+    return hooks

@@ -1,0 +1,26 @@
+"""Fixtures for the fault tests; the machinery is in `harness.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.faults.harness import Agents, IngestServer
+
+
+@pytest.fixture
+def fake_agents(tmp_path: Path) -> Iterator[Agents]:
+    """Agents whose ranks run the stand-in rank (seconds per run): for the agent's own mechanics."""
+    agents = Agents(tmp_path=tmp_path, entrypoint="tests.faults.fake_rank")
+    yield agents
+    agents.cleanup()
+
+
+@pytest.fixture
+def ingest() -> Iterator[IngestServer]:
+    server = IngestServer(token="run-token-123")
+    server.start()
+    yield server
+    server.stop()

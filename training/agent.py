@@ -1,0 +1,509 @@
+"""The node agent: one per host, runs that host's ranks and keeps the run alive.
+
+    python -m training.agent --spec spec.json --run-dir DIR --node-rank K \\
+        [--rdzv-endpoint HOST:PORT] [--events-url URL --run-token T]
+
+It is torch's elastic agent (`SimpleElasticAgent`: c10d rendezvous, rank assignment, restart
+budget, scale-up when a node waits to join, exit barrier) with Fathom's own parts where torch's
+`LocalElasticAgent` falls short:
+
+* ranks are started so they die with the agent and log to `RUN_DIR/logs/rank{R}.log`
+  (`training.ranks`), and are watched for hangs as well as exits (`training.watchdog`);
+* restarts after a failure that made no progress back off exponentially;
+* every lifecycle event, and rank 0's events, go through the spooling reporter
+  (`training.report`) to the control plane;
+* when the rendezvous ends with fewer nodes than `nodes.max` (a node was lost and `nodes.min`
+  allows going on), the ranks get a spec whose `layout.dp` fits the new world size;
+* SIGTERM (or a `RUN_DIR/cancel` file) cancels: ranks get SIGTERM, the newest committed
+  checkpoint stays.
+
+The exit status says the outcome (`ExitCode`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    SimpleElasticAgent,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from training.config import RunSpec, SpecError
+from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
+from training.rankenv import RankEnvironment
+from training.ranks import RankProcess, spawn_rank, stop_ranks
+from training.report import Reporter, ReporterConfig
+from training.watchdog import Watchdog, WatchdogConfig
+
+logger = logging.getLogger("fathom.agent")
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ExitCode(enum.IntEnum):
+    SUCCEEDED = 0
+    FAILED = 1  # restarts exhausted, or the rendezvous could not be formed
+    USAGE = 2  # bad arguments or an invalid spec
+    CANCELLED = 3
+
+
+@dataclass(kw_only=True, frozen=True)
+class AgentConfig:
+    run_dir: Path
+    node_rank: int  # this host's identity in events ("node-K"); ranks are assigned by the rendezvous
+    rdzv_endpoint: str  # HOST:PORT of the c10d store every agent of the run meets at
+    host_store: bool  # this agent runs that store (a single point of failure: keep it on node 0)
+    local_addr: str | None  # address other nodes reach this one at; None: the host's FQDN
+    run_id: str
+    entrypoint: str = "training.train"  # the module every rank runs
+    # How often ranks are polled: bounds how late an exited rank is noticed (target ≤ 0.2 s).
+    monitor_interval: float = 0.05
+    heartbeat_interval: float = 0.1  # how often ranks beat; 100× finer than the default timeout
+    # Looking for nodes waiting to join costs a store round trip; once a second is plenty.
+    membership_check_interval: float = 1.0
+    # A failure that made no progress (crash loop) waits 1, 2, 4 … 30 s before the next try;
+    # one after progress restarts at once, because the time lost is what the target counts.
+    restart_backoff_initial: float = 1.0
+    restart_backoff_max: float = 30.0
+    stack_dump_grace: float = 0.5  # time a hung rank gets to print its stacks before SIGKILL
+    cancel_grace: float = 30.0  # time ranks get to exit on SIGTERM when the run is cancelled
+    rdzv_join_timeout: float = 600.0  # a rendezvous that has not formed by then fails the run
+    # Once `nodes.min` agents have joined, how long to wait for the rest before starting without
+    # them; a late node then joins through a scale-up restart.
+    rdzv_last_call_timeout: float = 10.0
+    # Agents refresh their rendezvous entry every second; three missed refreshes (3 s) mark a node
+    # dead so survivors can form a smaller rendezvous without it.
+    rdzv_keep_alive_interval: int = 1
+    rdzv_keep_alive_max_attempt: int = 3
+    # After its ranks succeed, an agent waits this long for the other nodes' ranks to finish.
+    exit_barrier_timeout: float = 120.0
+    report_flush_timeout: float = 30.0  # at exit, how long to keep trying to deliver events
+
+    @property
+    def node_dir(self) -> Path:
+        """This node's own files in the (possibly shared) run folder."""
+        return self.run_dir / f"node{self.node_rank}"
+
+
+class CancelRequested(BaseException):
+    """Raised in the agent's main thread by SIGTERM/SIGINT; BaseException so no handler eats it."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Outcome:
+    code: ExitCode
+    kind: str  # the final event: succeeded, failed, cancelled
+    data: dict[str, Any]
+
+
+def latest_committed_step(run_dir: Path) -> int:
+    """The step of the newest committed checkpoint, 0 when there is none."""
+    steps = [
+        int(p.name.removeprefix("step_"))
+        for p in (run_dir / "checkpoints").glob("step_*")
+        if (p / "COMMITTED").exists() and p.name.removeprefix("step_").isdigit()
+    ]
+    return max(steps, default=0)
+
+
+def effective_spec(spec: RunSpec, *, world_size: int, nodes: int, nproc: int) -> RunSpec:
+    """The spec the ranks get when the rendezvous formed a world of another size than planned.
+
+    Only data parallelism shrinks: tp·pp groups stay whole (`RunSpec` checked that `nodes.min`
+    allows that), the global batch stays, so every dp replica takes a larger share of it and the
+    optimisation continues as planned; the trainer reshards from the checkpoint.
+    """
+    if world_size == spec.layout.world_size:
+        return spec
+    group = spec.layout.tp * spec.layout.pp
+    if world_size % group:
+        raise SpecError("layout", f"world size {world_size} does not hold whole tp·pp groups of {group}")
+    data = spec.to_dict()
+    data["layout"]["dp"] = world_size // group
+    data["nodes"].update(max=nodes, min=min(spec.nodes.min, nodes), nproc_per_node=nproc)
+    # Faults aimed at ranks that no longer exist can no longer fire.
+    data["faults"] = [f for f in data["faults"] if f["rank"] < world_size]
+    return RunSpec.from_dict(data)
+
+
+class NodeAgent(SimpleElasticAgent):
+    def __init__(self, config: AgentConfig, spec: RunSpec, reporter: Reporter, worker_spec: WorkerSpec) -> None:
+        super().__init__(worker_spec, exit_barrier_timeout=config.exit_barrier_timeout)
+        self.config = config
+        self.spec = spec
+        self.reporter = reporter
+        self._ranks: list[RankProcess] = []
+        self._watchdog = Watchdog(WatchdogConfig(heartbeat_timeout=spec.nodes.heartbeat_timeout))
+        self._nodes: int | None = None  # nodes in the last rendezvous
+        self._attempt = 0
+        self._from_step = 0  # the checkpoint the current ranks resumed from
+        self._failures_without_progress = 0
+        self._restarts = 0
+
+    # --- SimpleElasticAgent's abstract methods ------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._attempt = _rendezvous_round(worker_group.spec, fallback=self._restarts)
+        nodes = worker_group.group_world_size
+        if self._nodes is not None and nodes < self._nodes:
+            self.reporter.emit("node_lost", {"nodes_before": self._nodes, "nodes": nodes})
+        self._nodes = nodes
+        self.reporter.emit(
+            "rendezvous",
+            {
+                "attempt": self._attempt,
+                "node": self.config.node_rank,
+                "host": socket.gethostname(),
+                "group_rank": worker_group.group_rank,
+                "nodes": nodes,
+                "world_size": worker_group.workers[0].world_size,
+                "ranks": [w.global_rank for w in worker_group.workers],
+                "master": f"{worker_group.master_addr}:{worker_group.master_port}",
+            },
+        )
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        world_size = worker_group.workers[0].world_size
+        spec = effective_spec(
+            self.spec, world_size=world_size, nodes=worker_group.group_world_size, nproc=len(worker_group.workers)
+        )
+        spec_path = self.config.node_dir / "spec.json"
+        tmp = spec_path.with_suffix(".tmp")
+        tmp.write_text(spec.to_json())
+        os.replace(tmp, spec_path)
+        self._from_step = latest_committed_step(self.config.run_dir)
+        command = ["-m", self.config.entrypoint, "--spec", str(spec_path), "--run-dir", str(self.config.run_dir)]
+        self._ranks = []
+        for worker in worker_group.workers:
+            rank_env = RankEnvironment(
+                run_dir=self.config.run_dir,
+                node_rank=self.config.node_rank,
+                attempt=self._attempt,
+                heartbeat_file=self.config.node_dir / "heartbeat" / f"rank{worker.global_rank}.json",
+                heartbeat_interval=self.config.heartbeat_interval,
+                events_file=self.config.node_dir / "events.jsonl",
+            )
+            env = {
+                **os.environ,
+                **_torch_worker_env(worker_group, worker.local_rank, self._restarts),
+                **rank_env.to_environ(),
+                # One compute thread per rank unless the operator chose otherwise: ranks share the cores.
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "PYTHONUNBUFFERED": "1",  # so a rank's log is current when it dies
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+            }
+            self._ranks.append(
+                spawn_rank(
+                    [sys.executable, *command],
+                    env=env,
+                    log=self.config.run_dir / "logs" / f"rank{worker.global_rank}.log",
+                    global_rank=worker.global_rank,
+                    local_rank=worker.local_rank,
+                    heartbeat_file=rank_env.heartbeat_file,
+                )
+            )
+        return {r.local_rank: r.pid for r in self._ranks}
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        # Restarts resume from the last committed checkpoint, so nothing in the ranks is worth
+        # waiting for; SIGKILL also ends ranks blocked in a collective or stopped.
+        stop_ranks(self._ranks, sig=signal.SIGKILL, grace=0.0)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        state = self._watchdog.check(self._ranks)
+        if state.failures:
+            return RunResult(state=WorkerState.FAILED)
+        return RunResult(state=WorkerState.SUCCEEDED if state.succeeded else WorkerState.HEALTHY)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        stop_ranks(self._ranks, sig=death_sig, grace=float(timeout))
+
+    # --- the run loop -------------------------------------------------------------------
+
+    def execute(self) -> Outcome:
+        """Runs until the ranks succeed, the restart budget is spent, or the run is cancelled."""
+        handler = self._worker_group.spec.rdzv_handler
+        try:
+            outcome = self._invoke_run()
+        except CancelRequested:
+            logger.info("cancel requested: stopping ranks (grace %.0f s)", self.config.cancel_grace)
+            stop_ranks(self._ranks, sig=signal.SIGTERM, grace=self.config.cancel_grace)
+            outcome = Outcome(code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(self.config.run_dir)})
+        except RendezvousError as exc:
+            cancelled = (self.config.run_dir / "cancel").exists()
+            outcome = Outcome(
+                code=ExitCode.CANCELLED if cancelled else ExitCode.FAILED,
+                kind="cancelled" if cancelled else "failed",
+                data={"reason": f"rendezvous: {type(exc).__name__}: {exc}"},
+            )
+        finally:
+            stop_ranks(self._ranks, sig=signal.SIGKILL, grace=0.0)
+        try:
+            # Closing the rendezvous tells the other agents the run is over (they stop waiting).
+            handler.shutdown()
+        except Exception as exc:  # the store's host may already be gone; nothing left to tell
+            logger.info("rendezvous shutdown: %s", exc)
+        return outcome
+
+    def _invoke_run(self, role: str = "") -> Outcome:  # type: ignore[override]
+        group = self._worker_group
+        self._initialize_workers(group)
+        next_membership_check = time.monotonic() + self.config.membership_check_interval
+        cancel_file = self.config.run_dir / "cancel"
+        while True:
+            time.sleep(self.config.monitor_interval)
+            if cancel_file.exists():
+                raise CancelRequested
+            state = self._watchdog.check(self._ranks)
+            if state.succeeded:
+                self._exit_barrier()
+                return Outcome(code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": latest_committed_step(self.config.run_dir)})
+            if state.failures:
+                self._handle_failures(state.failures)
+                if self._remaining_restarts <= 0:
+                    self._stop_workers(group)
+                    first = state.failures[0]
+                    return Outcome(
+                        code=ExitCode.FAILED,
+                        kind="failed",
+                        data={"reason": f"rank {first.rank} {first.reason}; {self.spec.nodes.max_restarts} restarts used"},
+                    )
+                self._remaining_restarts -= 1
+                self._restarts += 1
+                self._restart("rank failed", self._backoff(progressed=self._progressed()))
+            elif time.monotonic() >= next_membership_check:
+                next_membership_check = time.monotonic() + self.config.membership_check_interval
+                waiting = group.spec.rdzv_handler.num_nodes_waiting()
+                if waiting:
+                    # A node (re)joined: re-form the group with it; not a failure, costs no restart.
+                    self._restart(f"{waiting} node(s) waiting to join", backoff=0.0)
+
+    def _handle_failures(self, failures: list[Any]) -> None:
+        for failure in failures:
+            logger.warning("rank %s %s (pid %s, exit %s)", failure.rank, failure.reason, failure.pid, failure.exit_code)
+            self.reporter.emit("rank_failed", failure.as_event(), when=failure.detected_at)
+            if failure.reason == "hung":
+                rank = next(r for r in self._ranks if r.global_rank == failure.rank)
+                rank.signal(STACK_DUMP_SIGNAL)
+                rank.signal(signal.SIGCONT)  # a stopped process runs its signal handlers only once continued
+        if any(f.reason == "hung" for f in failures):
+            time.sleep(self.config.stack_dump_grace)
+
+    def _progressed(self) -> bool:
+        """Whether the failed attempt finished at least one step past its checkpoint."""
+        for rank in self._ranks:
+            beat = read_beat(rank.heartbeat_file)
+            if beat is not None:
+                done = beat.step if beat.phase != "step" else beat.step - 1
+                if done > self._from_step:
+                    return True
+        return False
+
+    def _backoff(self, *, progressed: bool) -> float:
+        if progressed:
+            self._failures_without_progress = 0
+            return 0.0
+        self._failures_without_progress += 1
+        n = self._failures_without_progress
+        return min(self.config.restart_backoff_max, self.config.restart_backoff_initial * 2 ** (n - 1))
+
+    def _restart(self, reason: str, backoff: float) -> None:
+        self._stop_workers(self._worker_group)
+        self.reporter.emit(
+            "restarting",
+            {
+                "attempt": self._restarts,
+                "from_step": latest_committed_step(self.config.run_dir),
+                "reason": reason,
+                "backoff": backoff,
+                "restarts_left": self._remaining_restarts,
+            },
+        )
+        time.sleep(backoff)
+        self._worker_group.state = WorkerState.STOPPED
+        self._initialize_workers(self._worker_group)
+
+
+def _rendezvous_round(worker_spec: WorkerSpec, fallback: int) -> int:
+    """The rendezvous round: the same on every node and +1 for each group restart of the job.
+
+    Read from the dynamic handler's state, which torch does not expose publicly; another
+    handler falls back to this agent's own restart count.
+    """
+    holder = getattr(worker_spec.rdzv_handler, "_state_holder", None)
+    round_ = getattr(getattr(holder, "state", None), "round", None)
+    return round_ if isinstance(round_, int) else fallback
+
+
+def _torch_worker_env(group: WorkerGroup, local_rank: int, restarts: int) -> dict[str, str]:
+    """What torchrun gives a worker (`LocalElasticAgent._start_workers`), so `env://` init works."""
+    spec = group.spec
+    worker = group.workers[local_rank]
+    return {
+        "RANK": str(worker.global_rank),
+        "LOCAL_RANK": str(local_rank),
+        "GROUP_RANK": str(group.group_rank),
+        "ROLE_RANK": str(worker.role_rank),
+        "ROLE_NAME": spec.role,
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+        "WORLD_SIZE": str(worker.world_size),
+        "GROUP_WORLD_SIZE": str(group.group_world_size),
+        "ROLE_WORLD_SIZE": str(worker.role_world_size),
+        "MASTER_ADDR": str(group.master_addr),
+        "MASTER_PORT": str(group.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+        "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+    }
+
+
+# --- command line -----------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m training.agent", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spec", type=Path, required=True)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT; default: a free local port (one node)")
+    parser.add_argument("--host-store", choices=("auto", "yes", "no"), default="auto", help="auto: node 0 hosts it")
+    parser.add_argument("--local-addr", default=None, help="address other nodes reach this one at")
+    parser.add_argument("--run-id", default=None, help="rendezvous id shared by the run's agents; default: run folder name")
+    parser.add_argument("--events-url", default=None)
+    parser.add_argument("--run-token", default=None)
+    parser.add_argument("--entrypoint", default="training.train", help="module each rank runs with --spec/--run-dir")
+    parser.add_argument("--rdzv-last-call", type=float, default=AgentConfig.rdzv_last_call_timeout)
+    parser.add_argument("--rdzv-join-timeout", type=float, default=AgentConfig.rdzv_join_timeout)
+    return parser.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _build(args: argparse.Namespace, spec: RunSpec) -> tuple[AgentConfig, Reporter, NodeAgent]:
+    run_dir = args.run_dir.resolve()
+    single = args.rdzv_endpoint is None
+    config = AgentConfig(
+        run_dir=run_dir,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+        host_store=args.host_store == "yes" or (args.host_store == "auto" and (single or args.node_rank == 0)),
+        local_addr=args.local_addr or ("127.0.0.1" if single else None),
+        run_id=args.run_id or run_dir.name,
+        entrypoint=args.entrypoint,
+        rdzv_last_call_timeout=args.rdzv_last_call,
+        rdzv_join_timeout=args.rdzv_join_timeout,
+    )
+    config.node_dir.mkdir(parents=True, exist_ok=True)
+    reporter = Reporter(
+        ReporterConfig(
+            source=f"node-{config.node_rank}",
+            spool_dir=config.node_dir,
+            events_url=args.events_url,
+            run_token=args.run_token,
+            tail_files=(config.node_dir / "events.jsonl",),
+        )
+    )
+    rdzv = get_rendezvous_handler(
+        RendezvousParameters(
+            backend="c10d",
+            endpoint=config.rdzv_endpoint,
+            run_id=config.run_id,
+            min_nodes=spec.nodes.min,
+            max_nodes=spec.nodes.max,
+            local_addr=config.local_addr,
+            is_host=config.host_store,
+            join_timeout=config.rdzv_join_timeout,
+            last_call_timeout=config.rdzv_last_call_timeout,
+            keep_alive_interval=config.rdzv_keep_alive_interval,
+            keep_alive_max_attempt=config.rdzv_keep_alive_max_attempt,
+        )
+    )
+    worker_spec = WorkerSpec(
+        role="trainer",
+        local_world_size=spec.nproc_per_node,
+        rdzv_handler=rdzv,
+        entrypoint=sys.executable,
+        args=("-m", config.entrypoint),
+        max_restarts=spec.nodes.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+    )
+    return config, reporter, NodeAgent(config, spec, reporter, worker_spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = _parse_args(argv)
+    try:
+        spec = RunSpec.from_json(args.spec.read_text())
+    except (OSError, ValueError) as exc:  # SpecError is a ValueError
+        print(f"fathom agent: {args.spec}: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    # Without this, restarted ranks meet stale keys in the shared rendezvous store (seen: gloo
+    # connectFullMesh failures and hangs in 6 of 17 restarts); with it, rank 0 runs its own store.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+    cancelling = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal cancelling
+        if not cancelling:  # the first one cancels; repeats must not interrupt the clean-up
+            cancelling = True
+            raise CancelRequested
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        config, reporter, agent = _build(args, spec)
+    except CancelRequested:
+        return ExitCode.CANCELLED
+    reporter.start()
+    reporter.emit(
+        "agent_started",
+        {
+            "node": config.node_rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "nproc": spec.nproc_per_node,
+            "nodes": {"min": spec.nodes.min, "max": spec.nodes.max},
+            "max_restarts": spec.nodes.max_restarts,
+            "rdzv_endpoint": config.rdzv_endpoint,
+        },
+    )
+    try:
+        outcome = agent.execute()
+    except CancelRequested:  # arrived during the clean-up of another outcome
+        outcome = Outcome(code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(config.run_dir)})
+    reporter.emit(outcome.kind, outcome.data)
+    if not reporter.close(flush_timeout=config.report_flush_timeout):
+        logger.warning("%d events not delivered (%s); they stay in %s", reporter.undelivered, reporter.last_error, reporter.spool.path)
+    logger.info("run %s: %s %s", config.run_id, outcome.kind, outcome.data)
+    return outcome.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

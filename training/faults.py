@@ -1,0 +1,86 @@
+"""Failures injected on purpose (`spec.faults`), so that recovery is tested on the real path.
+
+Each `FaultSpec` fires inside a rank, from the training hooks, at a chosen step:
+
+| kind                     | fires in                             | at                          | does                     |
+|--------------------------|--------------------------------------|-----------------------------|--------------------------|
+| `kill_rank`              | global rank `rank`                   | start of step `step`        | SIGKILL itself           |
+| `hang_rank`              | global rank `rank`                   | start of step `step`        | SIGSTOP itself (frozen)  |
+| `kill_during_checkpoint` | global rank `rank`                   | the commit of step `step`   | SIGKILL itself, after its shards are written and before the commit |
+| `kill_agent`             | local rank 0 on node `node`          | start of step `step`        | SIGKILL its node agent   |
+
+`once` faults fire at most once per run, not once per process: a resumed run replays the steps
+after its checkpoint and would otherwise meet the same fault again, forever. Before firing, the
+rank claims a marker file `RUN_DIR/faults/{kind}-rank{r}-node{n}-step{s}.fired` with O_EXCL
+(named by content, not position, so a spec rewritten for a smaller world keeps its markers); whoever finds the marker
+already there does nothing. A marker in the run folder (rather than the restart count) is also
+right when a killed node's agent is started again from scratch, and lets several `once` faults
+fire one after another in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from training.config import FaultSpec
+
+
+class FaultHook:
+    """TrainHook that fires the faults of `faults` that belong to this rank."""
+
+    def __init__(
+        self, faults: list[FaultSpec], *, rank: int, local_rank: int, node_rank: int, markers_dir: Path
+    ) -> None:
+        self._markers_dir = markers_dir
+        self._mine: list[FaultSpec] = [
+            f
+            for f in faults
+            if (f.kind == "kill_agent" and f.node == node_rank and local_rank == 0)
+            or (f.kind != "kill_agent" and f.rank == rank)
+        ]
+
+    def on_step_start(self, step: int) -> None:
+        for fault in self._mine:
+            if fault.kind != "kill_during_checkpoint" and fault.step == step and self._claim(fault):
+                _fire(fault)
+
+    def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def before_checkpoint_commit(self, step: int, staging_dir: Path) -> None:
+        for fault in self._mine:
+            if fault.kind == "kill_during_checkpoint" and fault.step == step and self._claim(fault):
+                _fire(fault)
+
+    def close(self) -> None:
+        pass
+
+    def _claim(self, fault: FaultSpec) -> bool:
+        if not fault.once:
+            return True
+        self._markers_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            marker = self._markers_dir / f"{fault.kind}-rank{fault.rank}-node{fault.node}-step{fault.step}.fired"
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        # The marker must be on disk before the process dies, or the resumed run fires again.
+        os.fsync(fd)
+        os.close(fd)
+        return True
+
+
+def _fire(fault: FaultSpec) -> None:
+    print(f"fathom: injecting fault {fault.kind} at step {fault.step}", flush=True)
+    if fault.kind == "kill_agent":
+        # The agent is this rank's parent; its death takes every rank of the node with it
+        # (PR_SET_PDEATHSIG), which is what losing a host looks like to the other nodes.
+        os.kill(os.getppid(), signal.SIGKILL)
+        signal.pause()
+    elif fault.kind == "hang_rank":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)

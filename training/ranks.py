@@ -1,0 +1,108 @@
+"""The node agent's rank processes: started so they cannot outlive it, logged, stopped as a group.
+
+Two facts about process lifetime drive this module:
+
+* If the agent is SIGKILLed, nobody is left to stop its ranks; they keep training and the other
+  nodes wait on them. Each rank therefore asks the kernel for SIGKILL when its parent dies
+  (`PR_SET_PDEATHSIG`). The request is made by a tiny trampoline that then `exec`s the real
+  command (the setting survives `exec`), because doing it in `preexec_fn` is unsafe in a parent
+  that runs threads (the reporter, the rendezvous keep-alive).
+* A rank may start helpers of its own. Each rank leads its own process group, so one `killpg`
+  stops the rank and everything it started.
+
+stdout and stderr of rank R are appended to `RUN_DIR/logs/rank{R}.log`, across restarts, so the
+stack a hung rank dumps before it is killed stays next to what the restarted rank prints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Runs in the child before the real command: die with the parent, and give up at once if the
+# parent already died between fork and prctl (then nobody would ever send the signal).
+_TRAMPOLINE = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(70)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass(kw_only=True)
+class RankProcess:
+    global_rank: int
+    local_rank: int
+    popen: subprocess.Popen[bytes]
+    heartbeat_file: Path
+    started_at: float  # time.time() at spawn
+    log: Path
+    exit_code: int | None = field(default=None)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        if self.exit_code is None:
+            self.exit_code = self.popen.poll()
+        return self.exit_code
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Sends `sig` to the rank's whole process group; a group already gone is fine."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def spawn_rank(
+    command: list[str], *, env: dict[str, str], log: Path, global_rank: int, local_rank: int, heartbeat_file: Path
+) -> RankProcess:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    heartbeat_file.unlink(missing_ok=True)  # a beat from the previous attempt is not this rank's
+    with open(log, "ab") as out:
+        out.write(f"\n===== fathom: rank {global_rank} starting at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
+        out.flush()
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return RankProcess(
+        global_rank=global_rank,
+        local_rank=local_rank,
+        popen=popen,
+        heartbeat_file=heartbeat_file,
+        started_at=time.time(),
+        log=log,
+    )
+
+
+def stop_ranks(ranks: list[RankProcess], *, sig: signal.Signals, grace: float) -> None:
+    """Sends `sig` to every rank, waits up to `grace` seconds, then SIGKILLs what is left."""
+    live = [r for r in ranks if r.poll() is None]
+    for rank in live:
+        rank.signal(sig)
+        if sig != signal.SIGKILL:
+            rank.signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
+    deadline = time.monotonic() + grace
+    for rank in live:
+        try:
+            rank.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for rank in ranks:
+        # Also for ranks that exited themselves: helpers left in their group go too.
+        rank.signal(signal.SIGKILL)
+    for rank in ranks:
+        rank.popen.wait()
+        rank.poll()
