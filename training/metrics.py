@@ -1,0 +1,76 @@
+"""What rank 0 reports: the events file the node agent tails, model FLOPs utilisation, memory.
+
+Event contract (one JSON object per line, appended and flushed line by line):
+
+    {"kind": "metrics", "time": t, "step": n, "loss": f, "lr": f, "grad_norm": f,
+     "tokens_per_s": f, "mfu": f, "step_time": f, "memory_mb": f}
+    {"kind": "checkpoint", "time": t, "step": n, "path": "<committed checkpoint dir>"}
+    {"kind": "resumed", "time": t, "step": n}        # started from the checkpoint of step n
+    {"kind": "finished", "time": t, "step": n}
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+METRIC_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "memory_mb")
+
+
+class EventLog:
+    """Appends events to a JSON-lines file; each line is flushed so a tailing reader sees it at once."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: TextIO = path.open("a", encoding="utf-8")
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"kind": kind, "time": time.time(), **fields}
+        self._file.write(json.dumps(event) + "\n")
+        self._file.flush()
+        return event
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def measure_matmul_peak(n: int = 1024, seconds: float = 0.5) -> float:
+    """Best fp32 FLOP/s of an n×n matmul on this process's threads: the denominator of CPU MFU.
+
+    A vendor's peak assumes every core at full vector throughput; the measured best of a large
+    matmul is what the model's own matmuls could at most reach here, so MFU reads as a fraction of
+    the achievable. The best, not the mean, of repeated runs discounts interference from others.
+    """
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up: thread pool, caches
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        elapsed = time.perf_counter() - start
+        best = max(best, 2.0 * n**3 / elapsed)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of the ranks doing the work."""
+    return tokens_per_s * flops_per_token / peak_flops if peak_flops > 0 else 0.0
+
+
+def peak_memory_mb() -> float:
+    """This process's peak resident memory; on CPU the sum of weights, optimizer, activations and runtime."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux

@@ -1,0 +1,164 @@
+"""Fathom's decoder: a Llama-style transformer that reads top to bottom.
+
+RMSNorm → grouped-query attention with rotary embeddings → RMSNorm → SwiGLU MLP, repeated, then a
+final norm and an untied output head. Three layout choices serve the parallelism and export code:
+
+- Parameter names are Hugging Face `LlamaForCausalLM`'s without the leading `model.`
+  (`layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `lm_head.weight`), and rotary
+  embeddings use HF's `rotate_half` layout (the two halves of each head are the pairs), so export
+  is a renaming, not a permutation of weights.
+- Attention reshapes with `.view(b, t, -1, head_dim)`: under tensor parallelism each rank holds
+  n_heads / tp heads and the view infers how many.
+- Layers live in a `ModuleDict` keyed by their index as a string. A pipeline stage deletes the
+  layers it does not own, and sets `embed_tokens` / `norm` / `lm_head` to None where another stage
+  owns them; the names of what remains do not change, so checkpoints from any layout line up.
+
+The model returns logits; the loss is computed outside it so a pipeline schedule can own it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast, as HF's LlamaRMSNorm does, so exported logits match.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency), each (seq_len, head_dim), in HF's layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    positions = torch.arange(seq_len, dtype=torch.int64).float()
+    freqs = torch.outer(positions, inv_freq)  # (T, head_dim/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim): both halves share a frequency
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); cos, sin: (T, D)."""
+    cos = cos[:, None, :].to(x.dtype)  # (T, 1, D) broadcasts over heads
+    sin = sin[:, None, :].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape  # (B, T, dim): the whole sequence, even under sequence parallelism
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)  # (B, T, n_heads, head_dim); local heads under TP
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        q = apply_rotary(q, cos[:t], sin[:t])
+        k = apply_rotary(k, cos[:t], sin[:t])
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, heads, T, head_dim)
+        # enable_gqa: query head h reads kv head h // (n_heads / n_kv_heads), HF's repeat_kv grouping.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, n_heads * head_dim)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)  # (B, T, dim)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        # Not persistent: derived from the config, so checkpoints and exports carry only weights.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2·n_layers)."""
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+            elif param.ndim == 2:
+                nn.init.normal_(param, mean=0.0, std=0.02)
+            else:
+                nn.init.ones_(param)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: token ids (B, T) on the first stage, hidden states (B, T, dim) on later pipeline stages.
+
+        Returns logits (B, T, vocab) on the last stage, hidden states (B, T, dim) on the others.
+        """
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, dim)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)  # (B, T, vocab)
+        return h
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss; logits (B, T, vocab), targets (B, T). fp32 for a stable softmax."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token: 6 per weight (forward + backward) plus attention's score and value
+    matmuls (12·layers·dim·seq, PaLM appendix B). The embedding lookup is not a matmul and is left out."""
+    weights = cfg.num_params() - cfg.vocab_size * cfg.dim
+    return 6.0 * weights + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len

@@ -1,0 +1,115 @@
+"""Composes Fathom's parallelisms on one ("pp", "dp", "tp") device mesh.
+
+`parallelize` applies them in a fixed order, each step relying on the one before:
+
+1. pipeline split (pipeline.py): keep only this rank's stages of the seeded full model;
+2. tensor parallelism (tensor.py): shard each stage's weights over tp, by submodule name;
+3. activation recompute (recompute.py): wrap the TP-sharded blocks;
+4. FSDP2 (fsdp.py, zero 1–3): shard the wrapped blocks' (DTensor) parameters over dp;
+5. gradient all-reduce hooks (replicate.py, zero 0 with dp > 1): on the final parameters;
+6. the pipeline schedule (pipeline.py) over the finished stage modules.
+
+Only dimensions larger than 1 are applied. Every rank first builds the whole model from the
+same seed, so each parallel layout starts from exactly the weights of the single-process run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor import DTensor
+
+from training.config import RunSpec
+from training.model import Transformer
+from training.parallel.dims import ParallelDims
+from training.parallel.fsdp import apply_fsdp
+from training.parallel.pipeline import build_schedule, split_stage
+from training.parallel.recompute import apply_recompute
+from training.parallel.replicate import GradientAllReduce, apply_replicate
+from training.parallel.tensor import apply_tp
+
+
+@dataclass
+class ParallelModel:
+    parts: list[Transformer]  # this rank's pipeline stages (the whole model without PP)
+    schedule: _PipelineSchedule | None  # None without PP
+    has_first_stage: bool
+    has_last_stage: bool
+    grad_sync: GradientAllReduce | None  # zero=0 with dp > 1
+
+
+def parallelize(
+    full: Transformer,
+    spec: RunSpec,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    rank: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> ParallelModel:
+    """This rank's share of `full`, parallelized in the order of the module docstring.
+
+    `loss_fn(logits, targets)` is what a pipeline schedule applies to each micro-batch on the last stage.
+    """
+    coords = dims.coordinates(rank)
+    lay = spec.layout
+    if dims.pp > 1:
+        stage_ids = dims.stage_ids(coords["pp"])
+        parts = [split_stage(full, s, dims.num_stages) for s in stage_ids]
+    else:
+        stage_ids, parts = [0], [full]
+    for part in parts:
+        if dims.tp > 1:
+            assert mesh is not None
+            apply_tp(part, mesh["tp"])
+        apply_recompute(part, lay.recompute)
+        if dims.fsdp_enabled:
+            assert mesh is not None
+            apply_fsdp(part, mesh["dp"], dims.zero)
+    grad_sync = None
+    if dims.replicate_enabled:
+        assert mesh is not None
+        per_step = spec.train.grad_accum * (lay.microbatches if dims.pp > 1 else 1)
+        grad_sync = apply_replicate(list(parts), mesh["dp"].get_group(), per_step)
+    schedule = None
+    if dims.pp > 1:
+        assert mesh is not None
+        schedule = build_schedule(
+            parts, stage_ids, dims.num_stages, mesh["pp"].get_group(), lay.schedule, lay.microbatches, loss_fn
+        )
+    return ParallelModel(
+        parts=parts,
+        schedule=schedule,
+        has_first_stage=0 in stage_ids,
+        has_last_stage=dims.num_stages - 1 in stage_ids,
+        grad_sync=grad_sync,
+    )
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Clips to the global L2 norm of all gradients, over every tp, dp and pp shard; returns it.
+
+    DTensor gradients (TP, FSDP) give a DTensor norm whose `full_tensor()` already sums over their
+    mesh; pipeline stages hold disjoint parameters, so their squared norms are summed over pp.
+    `max_norm <= 0` only measures.
+    """
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_group is not None:
+        squared = total.pow(2)
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
+        total = squared.sqrt()
+    if max_norm > 0 and math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

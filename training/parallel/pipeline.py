@@ -1,0 +1,69 @@
+"""Pipeline parallelism: cut the model into stages by layers and run them with a schedule.
+
+Every rank builds the whole model from the same seed, then keeps only its stages: a stage is a
+deep copy with the other layers deleted from the `layers` ModuleDict, and with the embedding
+(not the first stage) or the final norm and head (not the last stage) set to None. Names of what
+remains are unchanged, so the state dicts of all stages together are the whole model's.
+
+Schedules come from `torch.distributed.pipelining`: GPipe (all forwards, then all backwards),
+1F1B (one forward, one backward in steady state: at most `pp` micro-batches of activations alive)
+and interleaved 1F1B (several non-adjacent stages per rank, stage s on pp rank s mod pp, which
+shrinks the bubble). The schedule splits each batch into micro-batches along dim 0, applies the
+loss on the last stage, and scales gradients by 1/micro-batches, so a step's gradient is the
+gradient of the mean loss, as without a pipeline.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    _PipelineSchedule,
+)
+
+from training.config import Schedule
+from training.model import Transformer
+from training.parallel.dims import stage_layers
+
+
+def split_stage(full: Transformer, stage: int, num_stages: int) -> Transformer:
+    """A copy of `full` holding only what pipeline stage `stage` of `num_stages` runs."""
+    part = copy.deepcopy(full)
+    owned = {str(i) for i in stage_layers(full.cfg.n_layers, num_stages)[stage]}
+    for name in list(part.layers.keys()):
+        if name not in owned:
+            del part.layers[name]
+    if stage != 0:
+        part.embed_tokens = None
+    if stage != num_stages - 1:
+        part.norm = None
+        part.lm_head = None
+    return part
+
+
+def build_schedule(
+    parts: list[Transformer],
+    stage_ids: list[int],
+    num_stages: int,
+    pp_group: dist.ProcessGroup,
+    schedule: Schedule,
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> _PipelineSchedule:
+    stages = [
+        PipelineStage(part, stage_id, num_stages, device=torch.device("cpu"), group=pp_group)
+        for part, stage_id in zip(parts, stage_ids, strict=True)
+    ]
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    if len(stages) != 1:
+        raise ValueError(f"the {schedule} schedule runs one stage per rank; got {len(stages)}")
+    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    return single(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

@@ -1,0 +1,57 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style), as a torchtitan-like plan.
+
+Between blocks the residual stream is split along the sequence (Shard(1)): norms run on each
+rank's slice. Attention and the MLP gather the full sequence at their input (PrepareModuleInput),
+split heads / hidden columns across ranks (Colwise), and reduce-scatter their output back to
+sequence slices (Rowwise with output Shard(1)). The embedding is split by vocabulary rows and the
+output head by vocabulary columns; the head's logits are gathered (Replicate) so the loss, and a
+pipeline schedule's loss function, see ordinary full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from training.model import Transformer
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Shards `model` (or a pipeline stage of it) in place over `tp_mesh`."""
+    root_plan: dict[str, object] = {}
+    if model.embed_tokens is not None:
+        root_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        root_plan["norm"] = SequenceParallel()
+    if model.lm_head is not None:
+        root_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)  # type: ignore[arg-type]
+
+    for block in model.layers.values():
+        block_plan = {
+            "input_layernorm": SequenceParallel(),
+            # Block inputs: (hidden, rope_cos, rope_sin); only the hidden states are sharded.
+            "self_attn": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            ),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, tp_mesh, block_plan)  # type: ignore[arg-type]
+

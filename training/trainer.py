@@ -1,0 +1,223 @@
+"""The training loop: one optimizer step at a time, with checkpoints, metrics and hooks.
+
+`forward_backward` is the only code that differs between a pipelined and an unpipelined model;
+`train_step` is the same for every layout: learning rate, batch, accumulation passes, gradient
+reduction, clipping by the global norm, optimizer step, metrics. `fit` resumes from the newest
+committed checkpoint (if any), runs the remaining steps and saves on schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from training.checkpoint import Checkpointer, latest_checkpoint, remove_uncommitted
+from training.config import RunSpec, TrainConfig
+from training.data import PreparedData, ShardedSampler, TokenWindows
+from training.hooks import TrainHook
+from training.metrics import EventLog, measure_matmul_peak, mfu, peak_memory_mb
+from training.model import Transformer, cross_entropy_loss, flops_per_token
+from training.parallel import ParallelModel, clip_grad_norm_, parallelize
+from training.parallel.dims import ParallelDims, batch_shape
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to `min_lr` at the last step (1-based)."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (norm gains are not decayed, as in GPT-2 and Llama)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    return cross_entropy_loss(logits, targets) * scale
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        spec: RunSpec,
+        run_dir: Path,
+        data: PreparedData,
+        rank: int = 0,
+        world_size: int = 1,
+        hooks: list[TrainHook] | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        self.spec = spec
+        self.run_dir = run_dir
+        self.rank = rank
+        self.world_size = world_size
+        self.hooks = hooks or []
+        self.events = events
+        self.distributed = world_size > 1
+        self.dims = ParallelDims.from_layout(spec.layout, world_size)
+        self.mesh = self.dims.build_mesh() if self.distributed else None
+        coords = self.dims.coordinates(rank)
+        self.reports_loss = coords["tp"] == 0  # tp ranks hold the same loss; count it once
+        self.shape = batch_shape(spec)
+
+        torch.manual_seed(spec.train.seed)  # the same full model on every rank and in the reference
+        full = Transformer(spec.model)
+        self.loss_scale = 1.0 / spec.train.grad_accum
+        self.model: ParallelModel = parallelize(
+            full, spec, self.dims, self.mesh, rank, partial(_micro_batch_loss, scale=self.loss_scale)
+        )
+        self.params = [p for part in self.model.parts for p in part.parameters()]
+        self.optimizers = [build_optimizer(part, spec.train) for part in self.model.parts]
+        self.pp_group = self.mesh["pp"].get_group() if self.mesh is not None and self.dims.pp > 1 else None
+
+        self.windows = TokenWindows(data.tokens(), spec.model.seq_len)
+        self.sampler = ShardedSampler(
+            self.windows.num_samples, spec.train.global_batch, coords["dp"], self.dims.dp, spec.train.seed
+        )
+        self.checkpointer = Checkpointer(
+            run_dir=run_dir,
+            parts=list(self.model.parts),
+            optimizers=list(self.optimizers),
+            spec=spec,
+            tokenizer_dir=data.tokenizer_dir,
+            rank=rank,
+            hooks=self.hooks,
+            on_commit=self._on_commit,
+        )
+        self.tokens_per_step = spec.train.global_batch * spec.model.seq_len
+        self.flops_per_token = flops_per_token(spec.model)
+        self.peak_flops = measure_matmul_peak() if rank == 0 else 0.0
+
+    # --- One step -----------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.spec.layout.precision == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, last_pass: bool) -> torch.Tensor:
+        """One accumulation pass over (inputs, targets); returns this pass's share of the step's loss
+        (its mean loss / grad_accum) on ranks that hold the last stage, zero on the others."""
+        m = self.model
+        if m.schedule is None:
+            for part in m.parts:
+                if isinstance(part, FSDPModule):
+                    part.set_requires_gradient_sync(last_pass)  # reduce-scatter once per step
+            with self._autocast():
+                loss = _micro_batch_loss(m.parts[0](inputs), targets, self.loss_scale)
+            loss.backward()
+            return loss.detach()
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            if m.has_first_stage:
+                m.schedule.step(inputs, target=targets if m.has_last_stage else None, losses=losses)
+            elif m.has_last_stage:
+                m.schedule.step(target=targets, losses=losses)
+            else:
+                m.schedule.step()
+        if not m.has_last_stage:
+            return torch.zeros(())
+        return torch.stack(losses).mean().detach()
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        for hook in self.hooks:
+            hook.on_step_start(step)
+        start = time.perf_counter()
+        lr = lr_at(step, self.spec.train)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        inputs, targets = self.windows.batch(self.sampler.next_indices())
+        micro = self.shape.micro_batch
+        loss = torch.zeros(())
+        for i in range(self.spec.train.grad_accum):
+            chunk = slice(i * micro, (i + 1) * micro)
+            loss += self.forward_backward(inputs[chunk], targets[chunk], last_pass=i == self.spec.train.grad_accum - 1)
+        if self.model.grad_sync is not None:
+            self.model.grad_sync.finish()
+        grad_norm = clip_grad_norm_(self.params, self.spec.train.grad_clip, self.pp_group)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if self.distributed:
+            # Rank 0 may not hold the loss (pipeline) and each dp rank holds only its share: sum
+            # every last-stage, first-tp rank's mean / dp over the world.
+            share = loss / self.dims.dp if (self.model.has_last_stage and self.reports_loss) else torch.zeros(())
+            dist.all_reduce(share)
+            loss = share
+        step_time = time.perf_counter() - start
+        metrics: dict[str, Any] = {}
+        if self.rank == 0:
+            tokens_per_s = self.tokens_per_step / step_time
+            metrics = {
+                "step": step,
+                "loss": loss.item(),
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_flops * self.world_size),
+                "step_time": step_time,
+                "memory_mb": peak_memory_mb(),
+            }
+            if self.events is not None:
+                self.events.emit("metrics", **metrics)
+        for hook in self.hooks:
+            hook.on_step_end(step, metrics)
+        return metrics
+
+    # --- The run --------------------------------------------------------------------------------
+
+    def _on_commit(self, step: int, path: Path) -> None:
+        if self.events is not None:
+            self.events.emit("checkpoint", step=step, path=str(path))
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "spec": asdict(self.spec)}
+
+    def resume(self) -> int:
+        """Loads the newest committed checkpoint, if there is one; returns the step it holds (or 0)."""
+        if self.rank == 0:
+            remove_uncommitted(self.run_dir)  # torn saves of an earlier attempt
+        if self.distributed:
+            dist.barrier()  # every rank sees the same checkpoints folder from here on
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is None:
+            return 0
+        state = self.checkpointer.load(checkpoint)
+        self.sampler.load_state_dict(state["sampler"])
+        if self.events is not None:
+            self.events.emit("resumed", step=state["step"])
+        return int(state["step"])
+
+    def fit(self) -> int:
+        """Trains from the newest checkpoint to `train.steps`; returns the last step."""
+        cfg = self.spec.train
+        done = self.resume()
+        for step in range(done + 1, cfg.steps + 1):
+            self.train_step(step)
+            self.checkpointer.poll()
+            if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
+                self.checkpointer.save(step, self.trainer_state())
+        self.checkpointer.wait()
+        if self.events is not None:
+            self.events.emit("finished", step=cfg.steps)
+        for hook in self.hooks:
+            hook.close()
+        return cfg.steps
