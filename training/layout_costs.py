@@ -1,0 +1,719 @@
+"""What one training layout costs: memory per device, traffic per mesh dimension, step time.
+
+`estimate()` takes a Llama-style `ModelConfig`, a `Cluster`, a global batch and one `Candidate`
+layout (dp × tp × pp, ZeRO stage, recompute, micro-batch size, pipeline schedule) and returns an
+`Estimate`, or a `Rejected` carrying the reason `RunSpec`'s own rules refuse it, so the planner
+never proposes a layout the trainer would not run.
+
+The model follows what Fathom's trainer does (training/model.py, training/parallel/):
+
+* Mesh order (pp, dp, tp), tp innermost: a tp group is `tp` consecutive ranks, so it stays on one
+  node while tp ≤ devices per node; a dp group spans tp·dp consecutive ranks, a pp group all of them.
+* Tensor parallelism is Megatron's with sequence parallelism, written with DTensor: norms run on
+  sequence slices, attention and the MLP all-gather the sequence at their input and reduce-scatter
+  their output. Unlike Megatron, the gathered input is what the projections save for backward, so
+  those two tensors per layer do not shrink with tp. The output head gathers full-vocabulary logits.
+* Pipeline stages own contiguous layers, the first stages one extra when uneven; pp rank r runs
+  stages r, r+pp, … (interleaved). The first stage holds the embedding, the last the output head.
+
+Everything here is arithmetic on plain numbers, with no torch at import. Sizes are bytes and
+seconds unless a name says otherwise. The search over layouts is in training/planner.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from training.config import (
+    RECIPES,
+    LayoutConfig,
+    ModelConfig,
+    NodesConfig,
+    Precision,
+    Recompute,
+    RunSpec,
+    Schedule,
+    SpecError,
+    TrainConfig,
+)
+
+GiB = float(2**30)
+
+# --- Hardware -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator and its links. Bandwidths are what a ring collective sustains per device in
+    one direction (NCCL's "bus bandwidth"), not the marketing bidirectional figure."""
+
+    name: str
+    memory_gib: float
+    peak_tflops_bf16: float  # dense tensor-core peak
+    peak_tflops_fp32: float  # what a plain fp32 matmul gets (no TF32)
+    intra_node_gbps: float  # GB/s per device inside a node (NVLink / shared memory)
+    inter_node_gbps: float  # GB/s per device between nodes (its NIC share)
+    intra_node_latency_us: float = 10.0  # per collective or send; matters for small messages only
+    inter_node_latency_us: float = 30.0
+    reserved_gib: float = 3.0  # CUDA context, communicator buffers, allocator fragmentation
+    # Fraction of peak that large transformer matmuls sustain. An assumption, not a measurement:
+    # Hopper GEMMs of these shapes run at 65-75 % of the dense peak; attention and elementwise kernels less.
+    matmul_efficiency: float = 0.6
+
+    def peak_flops(self, precision: Precision) -> float:
+        return 1e12 * (self.peak_tflops_bf16 if precision == "bf16" else self.peak_tflops_fp32)
+
+
+DEVICES: dict[str, Device] = {
+    # H100 SXM: 989 dense BF16 TFLOP/s, 67 FP32; NVLink 4 at 450 GB/s per direction, of which NCCL
+    # rings reach ~360; one 400 Gb/s NIC per GPU (50 GB/s) reaching ~40.
+    "h100": Device(
+        name="H100 SXM 80 GB",
+        memory_gib=80,
+        peak_tflops_bf16=989,
+        peak_tflops_fp32=67,
+        intra_node_gbps=360,
+        inter_node_gbps=40,
+    ),
+    # H200: the H100's compute and links with 141 GB of HBM3e (nvidia-smi reports ~140 GiB).
+    "h200": Device(
+        name="H200 SXM 141 GB",
+        memory_gib=140,
+        peak_tflops_bf16=989,
+        peak_tflops_fp32=67,
+        intra_node_gbps=360,
+        inter_node_gbps=40,
+    ),
+    # A100 SXM 80 GB: 312 BF16, 19.5 FP32; NVLink 3 at 300 GB/s per direction (~230 in rings);
+    # a 200 Gb/s HDR NIC per GPU (25 GB/s, ~22 sustained). Ampere GEMMs reach a larger share of peak.
+    "a100": Device(
+        name="A100 SXM 80 GB",
+        memory_gib=80,
+        peak_tflops_bf16=312,
+        peak_tflops_fp32=19.5,
+        intra_node_gbps=230,
+        inter_node_gbps=22,
+        matmul_efficiency=0.7,
+    ),
+    # One CPU rank per core with gloo over loopback. Figures measured on Fathom's 2-core dev machine
+    # by `python -m training.calibrate`; rerun it and pass the JSON with --device-file elsewhere.
+    "cpu": Device(
+        name="CPU core (gloo)",
+        memory_gib=4,
+        peak_tflops_bf16=0.01,
+        peak_tflops_fp32=0.05,
+        intra_node_gbps=1.0,
+        inter_node_gbps=0.1,
+        intra_node_latency_us=100,
+        inter_node_latency_us=300,
+        reserved_gib=0.3,
+        matmul_efficiency=0.5,
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    device: Device
+    nodes: int
+    devices_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SpecError(name, f"must be a positive integer; got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bytes/s, seconds of latency) of a group whose ranks lie within `span` consecutive ranks."""
+        d = self.device
+        if span <= self.devices_per_node:
+            return d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6
+        return d.inter_node_gbps * 1e9, d.inter_node_latency_us * 1e-6
+
+
+# --- Models ---------------------------------------------------------------------------------------
+
+
+def llama3_70b() -> ModelConfig:
+    return ModelConfig(
+        n_layers=80,
+        dim=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        seq_len=8192,
+        ffn_dim=28672,
+        rope_theta=500000.0,
+    )
+
+
+def llama3_405b() -> ModelConfig:
+    return ModelConfig(
+        n_layers=126,
+        dim=16384,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        seq_len=8192,
+        ffn_dim=53248,
+        rope_theta=500000.0,
+    )
+
+
+def model_preset(name: str) -> ModelConfig:
+    """A recipe's model (tiny, small, 1b, 8b) or one of the planner's larger shapes (70b, 405b)."""
+    if name in RECIPES:
+        return RECIPES[name]().model
+    extra = {"70b": llama3_70b, "405b": llama3_405b}
+    if name in extra:
+        return extra[name]()
+    raise SpecError("model", f"must be one of {', '.join([*RECIPES, *extra])}; got {name!r}")
+
+
+MODEL_NAMES = (*RECIPES, "70b", "405b")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model's sizes under the planner's usual letters."""
+
+    L: int  # layers
+    h: int  # hidden size
+    a: int  # query heads
+    k: int  # key/value heads
+    f: int  # SwiGLU inner size
+    V: int  # vocabulary
+    s: int  # sequence length
+
+    @classmethod
+    def of(cls, m: ModelConfig) -> Shape:
+        return cls(m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.seq_len)
+
+    @property
+    def kv(self) -> float:
+        """Width of k (or v) relative to q: grouped-query attention's k/a."""
+        return self.k / self.a
+
+    def layer_matmul_params(self) -> int:
+        """q, o: h·h each; k, v: h·h·k/a each; gate, up, down: h·f each. All split by tp."""
+        return 2 * self.h * self.h + 2 * self.h * self.h * self.k // self.a + 3 * self.h * self.f
+
+    def layer_norm_params(self) -> int:
+        """Two RMSNorm weights, replicated on every tp rank."""
+        return 2 * self.h
+
+
+def num_params(m: ModelConfig) -> int:
+    """Matches `ModelConfig.num_params()`: layers, untied embedding and head, final norm."""
+    s = Shape.of(m)
+    return s.L * (s.layer_matmul_params() + s.layer_norm_params()) + 2 * s.V * s.h + s.h
+
+
+def model_flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs per token used for MFU: 6 per matmul weight (the embedding lookup is not a
+    matmul) plus 12·L·h·s for attention scores and values, counted as if not causal. The same
+    convention as `training.model.flops_per_token`, PaLM's appendix B and NVIDIA's published
+    Llama 3.1 MFU figures, so MFUs compare."""
+    s = Shape.of(m)
+    return 6.0 * (s.L * s.layer_matmul_params() + s.V * s.h) + 12.0 * s.L * s.h * s.s
+
+
+# --- Activations ----------------------------------------------------------------------------------
+
+Split = Literal["sequence", "heads", "gathered"]
+Kind = Literal["act", "fp32"]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A tensor autograd keeps from forward to backward, per token of a micro-batch.
+
+    split: how tensor parallelism divides it — "sequence" (sequence-parallel slice, /tp),
+    "heads" (heads or MLP columns, /tp), "gathered" (every tp rank holds it whole).
+    kind: "act" is stored in the compute precision (2 bytes in bf16, 4 in fp32); "fp32" always 4.
+    """
+
+    name: str
+    split: Split
+    kind: Kind
+    per_token: float  # elements
+
+    def bytes_per_token(self, tp: int, act_bytes: int) -> float:
+        width = 4 if self.kind == "fp32" else act_bytes
+        return self.per_token * width / (1 if self.split == "gathered" else tp)
+
+
+def layer_saved(s: Shape) -> list[Saved]:
+    """What one decoder block saves without recompute; measured on training/model.py with
+    saved-tensor hooks (tests/planner). Korthikanti et al. (2022) count the same way for GPT; here
+    the block is RMSNorm + GQA + SwiGLU, attention is fused (no s² score matrix is kept), and
+    RMSNorm upcasts its input to fp32, which it saves along with the normalised tensor.
+    Per token: 8h + 2h·k/a + 4f elements + small fp32 terms, i.e. (7h + 2h·k/a + 4f)/t + 2h under tp.
+    """
+    h, f, a = s.h, s.f, s.a
+    return [
+        Saved("attention norm input (fp32)", "sequence", "fp32", h),
+        Saved("attention norm 1/rms", "sequence", "fp32", 1),
+        Saved("attention norm normalised", "sequence", "act", h),
+        Saved("q/k/v projection input (gathered sequence)", "gathered", "act", h),
+        Saved("q after rotary", "heads", "act", h),
+        Saved("k and v", "heads", "act", 2 * h * s.kv),
+        Saved("attention output = o_proj input", "heads", "act", h),
+        Saved("attention log-sum-exp", "heads", "fp32", a),
+        Saved("MLP norm input (fp32)", "sequence", "fp32", h),
+        Saved("MLP norm 1/rms", "sequence", "fp32", 1),
+        Saved("MLP norm normalised", "sequence", "act", h),
+        Saved("gate/up projection input (gathered sequence)", "gathered", "act", h),
+        Saved("gate output, silu(gate), up output, down input", "heads", "act", 4 * f),
+    ]
+
+
+def layer_saved_selective(s: Shape) -> list[Saved]:
+    """Selective recompute keeps the outputs of the matmuls and of attention (the expensive ops)
+    and recomputes norms, rotary, SiLU and the product, as torchtitan's op-level policy does.
+    o_proj and down_proj outputs are each tp rank's partial sums, whole before the reduce-scatter."""
+    h, f, a = s.h, s.f, s.a
+    return [
+        Saved("block input", "sequence", "act", h),
+        Saved("q, k, v projection outputs", "heads", "act", h + 2 * h * s.kv),
+        Saved("attention output", "heads", "act", h),
+        Saved("attention log-sum-exp", "heads", "fp32", a),
+        Saved("o_proj output (partial sum)", "gathered", "act", h),
+        Saved("gate and up outputs", "heads", "act", 2 * f),
+        Saved("down_proj output (partial sum)", "gathered", "act", h),
+    ]
+
+
+def layer_saved_full(s: Shape) -> list[Saved]:
+    """Full recompute keeps only each block's input, a sequence slice under tp."""
+    return [Saved("block input", "sequence", "act", s.h)]
+
+
+def output_saved(s: Shape) -> list[Saved]:
+    """The last stage's final norm, head input and fp32 log-probabilities of the full vocabulary
+    (the head gathers its logits, so they do not shrink with tp)."""
+    return [
+        Saved("final norm input (fp32)", "sequence", "fp32", s.h),
+        Saved("final norm 1/rms", "sequence", "fp32", 1),
+        Saved("final norm normalised", "sequence", "act", s.h),
+        Saved("head input (gathered sequence)", "gathered", "act", s.h),
+        Saved("log-probabilities", "gathered", "fp32", s.V),
+    ]
+
+
+TOKEN_IDS_BYTES = 8  # int64 ids the embedding keeps on the first stage
+
+
+def saved_per_token(entries: Iterable[Saved], tp: int, act_bytes: int) -> float:
+    return sum(e.bytes_per_token(tp, act_bytes) for e in entries)
+
+
+def layer_saved_for(recompute: Recompute, s: Shape) -> list[Saved]:
+    return {"none": layer_saved, "selective": layer_saved_selective, "full": layer_saved_full}[recompute](s)
+
+
+# --- Layouts --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One point of the search: the layout knobs plus how the local batch is cut into micro-batches."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    recompute: Recompute
+    micro_batch: int  # sequences per forward/backward pass
+    schedule: Schedule = "1f1b"
+    stages_per_rank: int = 1
+
+    def label(self) -> str:
+        sched = (
+            ""
+            if self.pp == 1
+            else f" {self.schedule}" + (f"×{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+        )
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero} {self.recompute} mb{self.micro_batch}{sched}"
+
+    def spec(self, model: ModelConfig, cluster: Cluster, global_batch: int, precision: Precision) -> RunSpec:
+        """The run spec the trainer would get; raises `SpecError` where its rules refuse the layout.
+
+        Without a pipeline the micro-batches are gradient-accumulation passes; with one, they are
+        the schedule's micro-batches of a single pass (grad_accum = 1)."""
+        local = global_batch // self.dp if global_batch % self.dp == 0 else 0
+        if local == 0:
+            raise SpecError(
+                "train.global_batch",
+                f"must be divisible by layout.dp; got global_batch={global_batch}, dp={self.dp}",
+            )
+        if local % self.micro_batch:
+            raise SpecError(
+                "micro_batch",
+                f"must divide the per-replica batch global_batch/dp = {local}; got {self.micro_batch}",
+            )
+        n_micro = local // self.micro_batch
+        pipelined = self.pp > 1
+        layout = LayoutConfig(
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            zero=self.zero,
+            schedule=self.schedule,
+            microbatches=n_micro if pipelined else 1,
+            stages_per_rank=self.stages_per_rank,
+            recompute=self.recompute,
+            precision=precision,
+        )
+        return RunSpec(
+            model=model,
+            layout=layout,
+            train=TrainConfig(global_batch=global_batch, grad_accum=1 if pipelined else n_micro),
+            nodes=NodesConfig(min=cluster.nodes, max=cluster.nodes, nproc_per_node=cluster.devices_per_node),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Bytes on the device that needs most (the first or the last pipeline stage)."""
+
+    weights: float
+    grads: float
+    optimizer: float  # AdamW's two moments, plus the fp32 master copy under bf16
+    activations: float  # saved for backward, summed over the micro-batches in flight
+    transient: float  # the peak's working buffers: gathered ZeRO-3 weights, one layer's recompute, logits
+    reserved: float  # runtime context, communicator buffers, fragmentation
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.transient + self.reserved
+
+    @property
+    def states(self) -> float:
+        """Weights, gradients and optimizer states: what the trainer's tensors hold between steps."""
+        return self.weights + self.grads + self.optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Traffic:
+    """Bytes one device sends per step along one mesh dimension, and the time it takes."""
+
+    bytes: float
+    seconds: float  # on the wire
+    exposed_seconds: float  # what compute does not hide
+    collectives: list[str]
+
+    @classmethod
+    def none(cls) -> Traffic:
+        return cls(bytes=0.0, seconds=0.0, exposed_seconds=0.0, collectives=[])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    candidate: Candidate
+    memory: Memory
+    dp: Traffic
+    tp: Traffic
+    pp: Traffic
+    compute_seconds: float  # matmul time of one step on the busiest device, recompute included
+    bubble_fraction: float  # pipeline idle time relative to compute: (pp-1)/(micro-batches·stages_per_rank)
+    step_seconds: float
+    mfu: float
+    tokens_per_second: float
+    fits: bool
+    capacity: float  # device memory, bytes
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["label"] = self.label
+        out["memory"]["total"] = self.memory.total
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejected:
+    candidate: Candidate
+    reason: str
+    field: str  # "memory" or the spec field that refused it (layout.tp, train.global_batch, …)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.candidate.label(),
+            "field": self.field,
+            "reason": self.reason,
+            "candidate": dataclasses.asdict(self.candidate),
+        }
+
+
+# --- The estimate ---------------------------------------------------------------------------------
+
+
+def ring(n: int) -> float:
+    """Share of a tensor each rank sends in a ring all-gather or reduce-scatter over n ranks."""
+    return (n - 1) / n
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What pipeline rank r owns."""
+
+    layers: int  # over all its virtual stages
+    chunks: int  # virtual stages
+    embedding: bool
+    head: bool
+
+
+def rank_shares(s: Shape, pp: int, stages_per_rank: int) -> dict[str, RankShare]:
+    """The first and last pipeline ranks, which bound memory (most in flight / the head) and time."""
+    n_stages = pp * stages_per_rank
+    base, extra = divmod(s.L, n_stages)
+
+    def layers_of(r: int) -> int:
+        return sum(base + (1 if stage < extra else 0) for stage in range(r, n_stages, pp))
+
+    first = RankShare(layers_of(0), stages_per_rank, True, pp == 1)
+    last = RankShare(layers_of(pp - 1), stages_per_rank, pp == 1, True)
+    return {"first": first, "last": last}
+
+
+def state_bytes(params: float, dp: int, zero: int, precision: Precision) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes for `params` parameters under a ZeRO stage.
+
+    bf16 mixed precision: bf16 weights (2 B), fp32 gradients (4 B, reduced in fp32), AdamW keeps an
+    fp32 master copy and two fp32 moments (12 B): 18 B per parameter, as Megatron's distributed
+    optimizer counts. fp32: 4 + 4 + 8 = 16 B. ZeRO-1 shards the optimizer over dp, ZeRO-2 the
+    gradients too, ZeRO-3 (FSDP) the weights too (Rajbhandari et al., 2020)."""
+    w, g = (2.0, 4.0) if precision == "bf16" else (4.0, 4.0)
+    opt = 12.0 if precision == "bf16" else 8.0
+    n = float(dp)
+    return (
+        params * w / (n if zero >= 3 else 1),
+        params * g / (n if zero >= 2 else 1),
+        params * opt / (n if zero >= 1 else 1),
+    )
+
+
+def estimate(
+    model: ModelConfig, cluster: Cluster, global_batch: int, cand: Candidate, precision: Precision = "bf16"
+) -> Estimate | Rejected:
+    """The estimate of one candidate, or why the trainer's rules refuse it."""
+    try:
+        spec = cand.spec(model, cluster, global_batch, precision)
+    except SpecError as exc:
+        return Rejected(candidate=cand, reason=f"{exc.field}: {exc.message}", field=exc.field)
+    return _estimate(spec, cluster, cand)
+
+
+def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
+    m, lay = spec.model, spec.layout
+    s = Shape.of(m)
+    dev = cluster.device
+    tp, pp, dp, v = lay.tp, lay.pp, lay.dp, lay.stages_per_rank
+    act_b = 2 if lay.precision == "bf16" else 4
+    w_b = 2.0 if lay.precision == "bf16" else 4.0
+    b = cand.micro_batch
+    tokens_mb = b * s.s  # tokens per micro-batch
+    n_mb = spec.train.global_batch // dp // b  # micro-batches per step on one replica
+    m_pipe = lay.microbatches  # micro-batches per pipeline flush (= n_mb when pp > 1)
+    shares = rank_shares(s, pp, v)
+
+    # Activations saved per layer and per micro-batch.
+    layer_act = tokens_mb * saved_per_token(layer_saved_for(lay.recompute, s), tp, act_b)
+    layer_act_none = tokens_mb * saved_per_token(layer_saved(s), tp, act_b)
+    out_act = tokens_mb * saved_per_token(output_saved(s), tp, act_b)
+    recompute_working = 0.0 if lay.recompute == "none" else layer_act_none  # one block rebuilt in backward
+
+    def in_flight(rank: int) -> float:
+        """Micro-batches (in whole-rank units) whose activations rank `rank` holds at its peak."""
+        if pp == 1:
+            return 1.0
+        if lay.schedule == "gpipe":
+            return float(m_pipe)
+        if lay.schedule == "interleaved_1f1b":
+            # Warm-up of the interleaved schedule: (v-1)·pp + 2·(pp-1-r) chunk forwards, plus the one
+            # in progress; a chunk is 1/v of the rank's layers. Rank 0: 1 + (pp-1)/(pp·v) ranks' worth
+            # of a micro-batch per layer, as Korthikanti et al. give.
+            chunks = min(m_pipe * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
+            return chunks / v
+        return float(min(m_pipe, pp - rank))
+
+    matmul_params = s.layer_matmul_params() / tp
+    layer_params = matmul_params + s.layer_norm_params()
+    emb_params = s.V * s.h / tp
+
+    memories: list[Memory] = []
+    for name, share in shares.items():
+        rank = 0 if name == "first" else pp - 1
+        params = (
+            share.layers * layer_params
+            + (emb_params if share.embedding else 0)
+            + (emb_params + s.h if share.head else 0)
+        )
+        weights, grads, optimizer = state_bytes(params, dp, lay.zero, lay.precision)
+        act = in_flight(rank) * share.layers * layer_act
+        if share.embedding:
+            act += in_flight(rank) * tokens_mb * TOKEN_IDS_BYTES
+        transient = recompute_working
+        if share.head:
+            # gpipe keeps every micro-batch's log-probabilities; 1F1B runs each loss's backward at once.
+            act += (m_pipe if (pp > 1 and lay.schedule == "gpipe") else 1) * out_act
+            # While the loss runs: logits in compute precision and their fp32 copy.
+            transient += tokens_mb * s.V * (act_b + 4)
+        if lay.zero == 3:
+            # FSDP gathers one block (and prefetches the next) in compute precision, and holds its
+            # unsharded gradient; across a pipeline the stage stays gathered for the whole step.
+            unit = max(layer_params, emb_params)
+            transient += (params * w_b + unit * 4) if pp > 1 else unit * (2 * w_b + 4)
+        memories.append(
+            Memory(
+                weights=weights,
+                grads=grads,
+                optimizer=optimizer,
+                activations=act,
+                transient=transient,
+                reserved=dev.reserved_gib * GiB,
+            )
+        )
+    memory = max(memories, key=lambda mem: mem.total)
+
+    # Compute: hardware FLOPs of the busiest rank per micro-batch (forward + backward, plus the
+    # forward again for recomputed blocks), at the sustained matmul rate.
+    attn_flops = 12.0 * s.h * s.s  # per token per layer, forward + backward
+    layer_flops = 6.0 * s.layer_matmul_params() + attn_flops
+    if lay.recompute == "full":
+        layer_flops += layer_flops / 3
+    rate = dev.peak_flops(lay.precision) * dev.matmul_efficiency
+    head_flops = 6.0 * s.V * s.h
+
+    def rank_mb_flops(share: RankShare) -> float:
+        return tokens_mb * (share.layers * layer_flops + (head_flops if share.head else 0)) / tp
+
+    mb_flops = max(rank_mb_flops(sh) for sh in shares.values())
+    mb_compute = mb_flops / rate
+
+    # Tensor parallel: per layer and micro-batch, forward all-gathers the sequence twice and
+    # reduce-scatters twice; backward does the conjugates. Recompute replays the forward's gathers
+    # (selective) or all four (full). Embedding and head add a reduce-scatter/all-gather pair each,
+    # and the head all-gathers the vocabulary-split logits.
+    hidden = tokens_mb * s.h * act_b  # one micro-batch of hidden states, whole sequence
+    per_layer_colls = 8 + {"none": 0, "selective": 2, "full": 4}[lay.recompute]
+    tp_bw, tp_lat = cluster.link(tp)
+    busiest = max(shares.values(), key=lambda sh: sh.layers)
+    head_share = shares["last"]
+    tp_bytes_mb = ring(tp) * hidden * (per_layer_colls * busiest.layers + 2 + 2) if tp > 1 else 0.0
+    if tp > 1 and head_share.head:
+        tp_bytes_mb += ring(tp) * tokens_mb * s.V * act_b
+    tp_colls_mb = (per_layer_colls * busiest.layers + 5) if tp > 1 else 0
+    tp_mb_seconds = tp_bytes_mb / tp_bw + tp_colls_mb * tp_lat
+    tp_traffic = Traffic(
+        bytes=n_mb * tp_bytes_mb,
+        seconds=n_mb * tp_mb_seconds,
+        exposed_seconds=n_mb * tp_mb_seconds,
+        collectives=[f"{per_layer_colls} all-gather/reduce-scatter per layer per micro-batch"] if tp > 1 else [],
+    )
+
+    # Pipeline: each chunk sends its output forward and its input gradient back, a sequence slice
+    # under tp. Sends sit on the critical path (one hop per micro-batch and direction).
+    pp_bw, pp_lat = cluster.link(tp * dp * pp)
+    hop_bytes = hidden / tp
+    hop_seconds = hop_bytes / pp_bw + pp_lat
+    pp_mb_seconds = 2 * v * hop_seconds if pp > 1 else 0.0
+    pp_traffic = Traffic(
+        bytes=n_mb * 2 * v * hop_bytes if pp > 1 else 0.0,
+        seconds=n_mb * pp_mb_seconds,
+        exposed_seconds=n_mb * pp_mb_seconds,
+        collectives=[f"send/recv {2 * v} per micro-batch"] if pp > 1 else [],
+    )
+
+    mb_seconds = mb_compute + tp_mb_seconds + pp_mb_seconds
+    bubble = (pp - 1) / (m_pipe * v) if pp > 1 else 0.0
+    pipeline_seconds = n_mb * mb_seconds * (1 + bubble)
+
+    dp_traffic = _dp_traffic(spec, cluster, shares, layer_params, emb_params, n_mb, mb_compute)
+    step = pipeline_seconds + dp_traffic.exposed_seconds
+    tokens = spec.train.global_batch * s.s
+    mfu = model_flops_per_token(m) * tokens / (step * cluster.world_size * dev.peak_flops(lay.precision))
+    capacity = dev.memory_gib * GiB
+    return Estimate(
+        candidate=cand,
+        memory=memory,
+        dp=dp_traffic,
+        tp=tp_traffic,
+        pp=pp_traffic,
+        compute_seconds=n_mb * mb_compute,
+        bubble_fraction=bubble,
+        step_seconds=step,
+        mfu=mfu,
+        tokens_per_second=tokens / step,
+        fits=memory.total <= capacity,
+        capacity=capacity,
+    )
+
+
+def _dp_traffic(
+    spec: RunSpec,
+    cluster: Cluster,
+    shares: Mapping[str, RankShare],
+    layer_params: float,
+    emb_params: float,
+    n_mb: int,
+    mb_compute: float,
+) -> Traffic:
+    """Data-parallel traffic of the rank with most parameters, and what of it compute hides.
+
+    ZeRO-0 all-reduces gradients once per step (each rank sends 2·(n-1)/n of them); ZeRO-1/2
+    reduce-scatter gradients and all-gather the updated weights (the same volume); ZeRO-3 gathers
+    weights before every forward and again for backward on each accumulation pass, or once per step
+    when a pipeline keeps its stage gathered. Gradients travel in fp32. Their reduction overlaps the
+    last micro-batch's backward when `overlap_grad_reduce` is on; ZeRO-3's gathers are prefetched
+    under the compute of their pass; ZeRO-1/2's gather after the optimizer step is exposed."""
+    lay = spec.layout
+    dp = lay.dp
+    if dp == 1:
+        return Traffic.none()
+    params = max(
+        sh.layers * layer_params + (emb_params if sh.embedding else 0) + (emb_params if sh.head else 0)
+        for sh in shares.values()
+    )
+    grad_bytes = params * 4.0
+    weight_bytes = params * (2.0 if lay.precision == "bf16" else 4.0)
+    bw, lat = cluster.link(lay.tp * dp)
+    backward_window = mb_compute * 2 / 3 if lay.overlap_grad_reduce else 0.0
+    if lay.zero == 0:
+        reduce_s = 2 * ring(dp) * grad_bytes / bw + lat
+        return Traffic(
+            bytes=2 * ring(dp) * grad_bytes,
+            seconds=reduce_s,
+            exposed_seconds=max(0.0, reduce_s - backward_window),
+            collectives=["all-reduce gradients"],
+        )
+    reduce_s = ring(dp) * grad_bytes / bw + lat
+    gather_s = ring(dp) * weight_bytes / bw + lat
+    exposed = max(0.0, reduce_s - backward_window)
+    if lay.zero < 3:
+        gathers = 1
+        exposed += gather_s
+    elif lay.pp > 1:
+        gathers = 1
+        exposed += max(0.0, gather_s - mb_compute / 3)  # hidden under the first forward
+    else:
+        gathers = 2 * n_mb  # forward and backward of every accumulation pass
+        exposed += n_mb * max(0.0, 2 * gather_s - mb_compute)
+    return Traffic(
+        bytes=ring(dp) * (grad_bytes + gathers * weight_bytes),
+        seconds=reduce_s + gathers * gather_s,
+        exposed_seconds=exposed,
+        collectives=["reduce-scatter gradients", f"all-gather weights ×{gathers}"],
+    )
