@@ -8,6 +8,7 @@ from pathlib import Path
 # platform/ is a folder, not a package (a package would shadow the stdlib `platform`): its
 # Django project and apps are importable because the folder itself is on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "platform"))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:

@@ -350,6 +350,12 @@ def _build(section: str, cls: type, values: Any) -> Any:
         return cls(**values)
     except TypeError as exc:  # a required field is missing
         raise SpecError(section, str(exc)) from None
+    except SpecError as exc:
+        # A list item (faults.0) checks itself as "faults.kind"; name the item.
+        head = section.split(".")[0]
+        if section != head and exc.field.startswith(head + "."):
+            raise SpecError(section + exc.field.removeprefix(head), exc.message) from None
+        raise
 
 
 def _is_type(value: Any, name: str) -> bool:

@@ -4,10 +4,13 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The repo root holds training/ and serving/; platform/ holds the Django project and apps.
+for _folder in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1]):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
-from django.core.asgi import get_asgi_application  # noqa: E402
+from django.core.asgi import get_asgi_application
 
 # Django must be set up before the consumers (and the models they import) are loaded.
 django_asgi_app = get_asgi_application()

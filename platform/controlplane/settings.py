@@ -26,7 +26,7 @@ DATASETS_DIR = DATA_DIR / "datasets"
 RUNS_DIR = DATA_DIR / "runs"
 DEPLOYMENTS_DIR = DATA_DIR / "deployments"
 LOGS_DIR = DATA_DIR / "logs"
-for _folder in (DATA_DIR, DATASETS_DIR, RUNS_DIR, DEPLOYMENTS_DIR, LOGS_DIR):
+for _folder in (DATA_DIR, DATASETS_DIR, RUNS_DIR, DEPLOYMENTS_DIR, LOGS_DIR, DATA_DIR / "static"):
     _folder.mkdir(parents=True, exist_ok=True)
 
 

@@ -14,6 +14,7 @@ from deployments.models import Deployment
 from deployments.serializers import ApiKeySerializer, DeploymentEventSerializer, DeploymentSerializer
 from runs.serializers import raise_invalid
 from runs.services import InvalidInput
+from runs.views import owned
 
 
 class DeploymentViewSet(
@@ -24,7 +25,7 @@ class DeploymentViewSet(
     serializer_class = DeploymentSerializer
 
     def get_queryset(self) -> QuerySet[Deployment]:
-        return Deployment.objects.filter(owner=self.request.user).prefetch_related("replica_set")
+        return owned(self, Deployment.objects.prefetch_related("replica_set"))
 
     def perform_create(self, serializer: Any) -> None:
         data = serializer.validated_data

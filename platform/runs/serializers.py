@@ -44,7 +44,11 @@ class DatasetSerializer(serializers.ModelSerializer):
 
 class RunSerializer(serializers.ModelSerializer):
     recipe = serializers.ChoiceField(
-        choices=list(RECIPES), default="tiny", write_only=True, help_text="Defaults the spec starts from."
+        choices=list(RECIPES),
+        default="tiny",
+        write_only=True,
+        help_text="Defaults the spec starts from.",
+        error_messages={"invalid_choice": f"must be one of {', '.join(RECIPES)}; got \"{{input}}\""},
     )
     spec = serializers.JSONField(
         default=dict, help_text="Overrides of the recipe: sections model, layout, train, nodes, faults."

@@ -226,7 +226,9 @@ def do_set_status(run: Run, status: str, reason: str = "", *, only_from: Iterabl
 
 # --- Events ------------------------------------------------------------------------------------
 
-# How an agent's event moves the run's status. Finished runs never move (see _apply).
+# How an agent's event moves the run's status, and the statuses it may move the run from: a
+# late `agent_started` from a second node must not send a running run back to starting, and
+# finished runs never move.
 _STATUS_BY_KIND = {
     "agent_started": Run.Status.STARTING,
     "metrics": Run.Status.RUNNING,
@@ -235,6 +237,12 @@ _STATUS_BY_KIND = {
     "succeeded": Run.Status.SUCCEEDED,
     "failed": Run.Status.FAILED,
     "cancelled": Run.Status.CANCELLED,
+}
+_MOVES_FROM = {
+    Run.Status.STARTING: [Run.Status.QUEUED],
+    Run.Status.RUNNING: [Run.Status.QUEUED, Run.Status.STARTING, Run.Status.RESTARTING],
+    Run.Status.RESTARTING: [Run.Status.QUEUED, Run.Status.STARTING, Run.Status.RUNNING],
+    **{final: list(Run.ACTIVE) for final in Run.FINISHED},
 }
 
 
@@ -322,12 +330,12 @@ def _apply(run: Run, events: list[RunEvent]) -> None:
     if restarts:
         changes["restarts"] = F("restarts") + restarts
     Run.objects.filter(pk=run.pk).update(**changes)
-    if status is not None and status != run.status:
+    if status is not None:
         now = timezone.now()
         extra: dict[str, Any] = {"finished_at": now} if status in Run.FINISHED else {}
-        if status == Run.Status.RUNNING:
-            extra["started_at"] = run.started_at or now
-        Run.objects.filter(pk=run.pk, status__in=Run.ACTIVE).update(status=status, **extra)
+        if status == Run.Status.RUNNING and run.started_at is None:
+            extra["started_at"] = now
+        Run.objects.filter(pk=run.pk, status__in=_MOVES_FROM[status]).update(status=status, **extra)
 
 
 def publish_run_events(run_id: int, messages: list[dict[str, Any]]) -> None:

@@ -1,0 +1,178 @@
+"""Shared cast and real processes for control-plane tests.
+
+The cast (alice, bob) follows healthchecks' BaseTestCase. `live_web` and `celery_worker` start
+real daphne and Celery processes against the test database, so tests that use them must be
+`transaction=True` (their data has to be committed for other processes to see it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+from django.db import connection
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.controlplane
+
+
+@pytest.fixture
+def alice(django_user_model):
+    return django_user_model.objects.create_user("alice", password="alice-password-1")
+
+
+@pytest.fixture
+def bob(django_user_model):
+    return django_user_model.objects.create_user("bob", password="bob-password-1")
+
+
+def client_for(user) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.get_or_create(user=user)[0].key}")
+    return client
+
+
+@pytest.fixture
+def alice_api(alice) -> APIClient:
+    return client_for(alice)
+
+
+@pytest.fixture
+def bob_api(bob) -> APIClient:
+    return client_for(bob)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def database_url() -> str:
+    """The URL of the database this test runs on, for processes the test starts."""
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    return f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, DATABASE_URL=database_url(), FATHOM_DATA_DIR=str(settings.DATA_DIR), OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def wait_for_http(url: str, timeout: float = 60.0, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class WebServer:
+    def __init__(self, port: int, log: Path) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "controlplane.asgi:application"],
+                cwd=REPO / "platform",
+                env=process_env(FATHOM_PUBLIC_URL=self.url),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        wait_for_http(f"{self.url}/login/", process=self.process)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+
+
+@pytest.fixture
+def live_web(transactional_db, tmp_path) -> Iterator[WebServer]:
+    server = WebServer(free_port(), tmp_path / "web.log")
+    server.start()
+    # Agents and tasks started from this process post their events to this server.
+    old = settings.PUBLIC_URL
+    settings.PUBLIC_URL = server.url
+    yield server
+    settings.PUBLIC_URL = old
+    server.stop()
+
+
+def purge_broker() -> None:
+    if settings.CELERY_BROKER_URL.startswith("filesystem://"):
+        for message in (settings.BROKER_DIR / "queue").iterdir():
+            message.unlink(missing_ok=True)
+    else:
+        from controlplane.celery import app
+
+        app.control.purge()
+
+
+class CeleryWorker:
+    def __init__(self, log: Path, public_url: str) -> None:
+        self.log = log
+        self.public_url = public_url
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=solo", "--loglevel=INFO",
+                 "--without-gossip", "--without-mingle", "--without-heartbeat"],
+                cwd=REPO / "platform",
+                env=process_env(FATHOM_PUBLIC_URL=self.public_url),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+
+
+@pytest.fixture
+def celery_worker(transactional_db, tmp_path) -> Iterator[CeleryWorker]:
+    # Messages left by earlier tests name rows that no longer exist (or ids reused since).
+    purge_broker()
+    worker = CeleryWorker(tmp_path / "worker.log", settings.PUBLIC_URL)
+    worker.start()
+    yield worker
+    worker.stop()

@@ -1,0 +1,87 @@
+"""Websockets deliver committed events; a real Celery worker runs tasks on the embedded broker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.db import transaction
+from django_celery_results.models import TaskResult
+from rest_framework.authtoken.models import Token
+
+from controlplane.asgi import application
+from runs import services
+from runs.models import Run
+from runs.tasks import reconcile_runs
+
+
+def _connect(user, run_id: int, query: str = "") -> WebsocketCommunicator:
+    headers = [(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
+    if user is not None:
+        headers.append((b"authorization", f"Token {Token.objects.get_or_create(user=user)[0].key}".encode()))
+    return WebsocketCommunicator(application, f"/ws/runs/{run_id}/{query}", headers=headers)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_websocket_client_receives_an_event_after_its_transaction_commits(alice):
+    run = await database_sync_to_async(Run.objects.create)(owner=alice, name="live", spec={})
+    communicator = await database_sync_to_async(_connect)(alice, run.pk, "?after=0")
+    connected, _ = await communicator.connect()
+    assert connected
+
+    def record() -> None:
+        with transaction.atomic():
+            services._record(run, "metrics", {"step": 1, "loss": 4.2})
+
+    await database_sync_to_async(record)()
+    message = await communicator.receive_json_from(timeout=5)
+    assert message["type"] == "events"
+    assert message["events"][0]["kind"] == "metrics"
+    assert message["events"][0]["loss"] == 4.2
+    await communicator.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_reconnecting_client_gets_exactly_what_it_missed(alice):
+    run = await database_sync_to_async(Run.objects.create)(owner=alice, name="live", spec={})
+
+    def record_many(n: int) -> None:
+        for step in range(n):
+            with transaction.atomic():
+                services._record(run, "metrics", {"step": step})
+
+    await database_sync_to_async(record_many)(5)
+    communicator = await database_sync_to_async(_connect)(alice, run.pk)
+    await communicator.connect()
+    await communicator.send_json_to({"after": 3})
+    message = await communicator.receive_json_from(timeout=5)
+    assert [e["seq"] for e in message["events"]] == [4, 5]
+    await communicator.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_another_users_run_or_no_login_is_refused(alice, bob):
+    run = await database_sync_to_async(Run.objects.create)(owner=alice, name="private", spec={})
+    for user in (bob, None):
+        communicator = await database_sync_to_async(_connect)(user, run.pk)
+        connected, code = await communicator.connect()
+        assert not connected
+        assert code == 4404
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_real_celery_worker_runs_a_task_from_the_embedded_broker(alice, celery_worker):
+    # A run whose agents are gone and which has been silent is failed by the reconcile task.
+    run = Run.objects.create(owner=alice, name="lost", spec={}, status=Run.Status.RUNNING, agent_pids=[2**22 + 7])
+    result = reconcile_runs.delay()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not TaskResult.objects.filter(task_id=result.id, status="SUCCESS").exists():
+        time.sleep(0.3)
+    stored = TaskResult.objects.get(task_id=result.id)
+    assert stored.status == "SUCCESS"
+    assert stored.result == "1"
+    run.refresh_from_db()
+    assert run.status == "failed"
+    assert "exited without reporting" in run.status_reason

@@ -1,0 +1,182 @@
+"""Runs and datasets through the REST API: validation, ownership, state changes, ingest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+
+from runs import services
+from runs.models import Checkpoint, Run
+
+pytestmark = pytest.mark.django_db
+
+
+def create_run(api, **body):
+    return api.post("/api/runs/", {"name": "r", **body}, format="json")
+
+
+BAD_SPECS = [
+    ({"layout": {"tp": 3}}, ["spec", "layout", "tp"], "must divide model.n_heads"),
+    ({"model": {"n_heads": 4, "n_kv_heads": 4}, "layout": {"tp": 8}}, ["spec", "layout", "tp"], "must divide"),
+    ({"layout": {"dp": 2}, "nodes": {"max": 1, "nproc_per_node": 1}}, ["spec", "layout", "dp"], "must equal the world size"),
+    ({"layout": {"zero": 4}}, ["spec", "layout", "zero"], "must be one of 0, 1, 2, 3"),
+    ({"layout": {"schedule": "zigzag"}}, ["spec", "layout", "schedule"], "gpipe, 1f1b, interleaved_1f1b"),
+    ({"layout": {"recompute": "some"}}, ["spec", "layout", "recompute"], "none, selective, full"),
+    ({"layout": {"pp": 2, "microbatches": 1}}, ["spec", "layout", "microbatches"], "at least one micro-batch per stage"),
+    ({"layout": {"dp": 2}, "train": {"global_batch": 3}}, ["spec", "train", "global_batch"], "divisible by layout.dp"),
+    ({"train": {"steps": 0}}, ["spec", "train", "steps"], "positive integer"),
+    ({"train": {"lr": -1}}, ["spec", "train", "lr"], "must be > 0"),
+    ({"model": {"n_heads": "four"}}, ["spec", "model", "n_heads"], "must be an integer"),
+    ({"model": {"dim": 100, "n_heads": 3}}, ["spec", "model", "dim"], "divisible by model.n_heads"),
+    ({"layout": {"warp": 9}}, ["spec", "layout", "warp"], "not a known field"),
+    ({"layout": {"pp": 8, "schedule": "gpipe"}, "model": {"n_layers": 4}}, ["spec", "layout", "pp"], "need at least that many layers"),
+    ({"layout": {"zero": 3}}, ["spec", "layout", "zero"], "shards over dp, which is 1"),
+    ({"faults": [{"kind": "meteor"}]}, ["spec", "faults", "0", "kind"], "kill_rank"),
+]
+
+
+@pytest.mark.parametrize(("spec", "path", "message"), BAD_SPECS)
+def test_it_rejects_a_bad_spec_naming_the_field(alice_api, spec, path, message):
+    response = create_run(alice_api, spec=spec)
+    assert response.status_code == 400, response.content
+    error = response.json()
+    for key in path:
+        error = error[key]
+    assert message in error[0]
+    assert Run.objects.count() == 0
+
+
+def test_it_rejects_an_unknown_recipe_listing_the_allowed_ones(alice_api):
+    response = create_run(alice_api, recipe="giant")
+    assert response.status_code == 400
+    assert "tiny" in response.json()["recipe"][0]
+
+
+def test_a_valid_run_is_queued_with_the_recipe_filled_in(alice_api):
+    response = create_run(alice_api, recipe="tiny", spec={"layout": {"dp": 2}, "train": {"steps": 7}})
+    assert response.status_code == 201, response.content
+    run = response.json()
+    assert run["status"] == "queued"
+    assert run["layout"] == "2×1×1"
+    assert run["total_steps"] == 7
+    assert run["spec"]["model"]["dim"] == 64  # from the tiny recipe
+    assert Run.objects.get(pk=run["id"]).events.get().kind == "queued"
+
+
+def test_a_dataset_upload_is_checked_line_by_line(alice_api):
+    good = SimpleUploadedFile("chat.jsonl", b'{"text": "hello"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    response = alice_api.post("/api/datasets/", {"file": good}, format="multipart")
+    assert response.status_code == 201, response.content
+    assert response.json()["records"] == 2
+    bad = SimpleUploadedFile("bad.jsonl", b'{"text": "ok"}\n{"txt": 1}\n')
+    response = alice_api.post("/api/datasets/", {"file": bad}, format="multipart")
+    assert response.status_code == 400
+    assert "line 2" in response.json()["file"][0]
+    wrong_type = SimpleUploadedFile("model.bin", b"\x00\x01")
+    assert "must be a .txt or .jsonl" in alice_api.post("/api/datasets/", {"file": wrong_type}, format="multipart").json()["file"][0]
+
+
+def test_a_dataset_path_must_stay_inside_the_data_dir(alice_api):
+    response = alice_api.post("/api/datasets/", {"path": "/etc/passwd"}, format="json")
+    assert response.status_code == 400
+    assert "inside the data directory" in response.json()["path"][0]
+
+
+def test_cancelling_a_queued_run_cancels_it_at_once(alice_api):
+    run = create_run(alice_api).json()
+    response = alice_api.post(f"/api/runs/{run['id']}/cancel/")
+    assert response.json()["status"] == "cancelled"
+    again = alice_api.post(f"/api/runs/{run['id']}/cancel/")
+    assert again.status_code == 400
+    assert "cancelled" in again.json()["status"][0]
+
+
+def test_a_cancelled_run_can_be_resumed_and_a_queued_one_cannot(alice_api):
+    run = create_run(alice_api).json()
+    assert alice_api.post(f"/api/runs/{run['id']}/resume/").status_code == 400
+    alice_api.post(f"/api/runs/{run['id']}/cancel/")
+    resumed = alice_api.post(f"/api/runs/{run['id']}/resume/").json()
+    assert resumed["status"] == "queued"
+    assert Run.objects.get(pk=run["id"]).resume is True
+
+
+def test_clone_merges_edits_and_validates_them(alice_api):
+    run = create_run(alice_api, spec={"train": {"steps": 9}}).json()
+    clone = alice_api.post(f"/api/runs/{run['id']}/clone/", {"spec": {"layout": {"recompute": "full"}}}, format="json")
+    assert clone.status_code == 201
+    assert clone.json()["spec"]["train"]["steps"] == 9
+    assert clone.json()["spec"]["layout"]["recompute"] == "full"
+    bad = alice_api.post(f"/api/runs/{run['id']}/clone/", {"spec": {"layout": {"tp": 5}}}, format="json")
+    assert bad.status_code == 400
+    assert "tp" in bad.json()["spec"]["layout"]
+
+
+def token_for(run_id: int) -> str:
+    token = "agent-token-" + str(run_id)
+    Run.objects.filter(pk=run_id).update(token_hash=services.hash_token(token))
+    return token
+
+
+def ingest(client, run_id, token, events, source="node-0"):
+    return client.post(
+        f"/api/runs/{run_id}/events/",
+        data=json.dumps({"source": source, "events": events}),
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {token}",
+    )
+
+
+def test_ingest_needs_the_runs_own_token(client, alice_api):
+    first = create_run(alice_api).json()["id"]
+    second = create_run(alice_api).json()["id"]
+    token = token_for(first)
+    token_for(second)
+    event = [{"seq": 1, "kind": "metrics", "data": {"step": 1, "loss": 5.0}}]
+    assert ingest(client, first, "wrong", event).status_code == 401
+    assert ingest(client, second, token, event).status_code == 401
+    assert ingest(client, first, token, event).status_code == 200
+
+
+def test_ingest_stores_a_redelivered_batch_once_and_keeps_seq_gapless(client, alice_api):
+    run_id = create_run(alice_api).json()["id"]
+    token = token_for(run_id)
+    batch = [{"seq": i, "kind": "metrics", "time": 1.0 + i, "data": {"step": i, "loss": 5.0 - i / 10}} for i in (1, 2, 3)]
+    assert ingest(client, run_id, token, batch).json() == {"last_seq": 3}
+    assert ingest(client, run_id, token, batch[1:] + [{"seq": 4, "kind": "metrics", "data": {"step": 4, "loss": 4.5}}]).json() == {"last_seq": 4}
+    assert ingest(client, run_id, token, [{"seq": 1, "kind": "agent_started"}], source="node-1").json() == {"last_seq": 1}
+    history = alice_api.get(f"/api/runs/{run_id}/events/").json()
+    assert [e["seq"] for e in history] == list(range(1, 7))  # queued + 4 metrics + node-1's event
+    assert [e["data"].get("step") for e in history if e["kind"] == "metrics"] == [1, 2, 3, 4]
+    run = alice_api.get(f"/api/runs/{run_id}/").json()
+    assert run["status"] == "running"
+    assert run["step"] == 4
+    assert run["last_loss"] == 4.5
+    assert [e["seq"] for e in alice_api.get(f"/api/runs/{run_id}/events/?after=4").json()] == [5, 6]
+
+
+def test_ingest_moves_status_records_checkpoints_and_never_reopens_a_finished_run(client, alice_api):
+    run_id = create_run(alice_api).json()["id"]
+    token = token_for(run_id)
+    events = [
+        {"seq": 1, "kind": "metrics", "data": {"step": 1, "loss": 5.0}},
+        {"seq": 2, "kind": "checkpoint", "data": {"step": 10, "path": "/tmp/x/step_00000010"}},
+        {"seq": 3, "kind": "restarting", "data": {"attempt": 1}},
+    ]
+    ingest(client, run_id, token, events)
+    run = alice_api.get(f"/api/runs/{run_id}/").json()
+    assert (run["status"], run["restarts"]) == ("restarting", 1)
+    assert Checkpoint.objects.get(run_id=run_id).step == 10
+    assert alice_api.get(f"/api/runs/{run_id}/checkpoints/").json()[0]["step"] == 10
+    ingest(client, run_id, token, [{"seq": 4, "kind": "succeeded", "data": {}}])
+    ingest(client, run_id, token, [{"seq": 5, "kind": "metrics", "data": {"step": 11, "loss": 1.0}}])
+    assert alice_api.get(f"/api/runs/{run_id}/").json()["status"] == "succeeded"
+
+
+def test_ingest_rejects_a_malformed_batch_naming_the_field(client, alice_api):
+    run_id = create_run(alice_api).json()["id"]
+    token = token_for(run_id)
+    response = ingest(client, run_id, token, [{"seq": 0, "kind": "metrics"}])
+    assert response.status_code == 400
+    assert "greater than or equal to 1" in response.json()["events"]["0"]["seq"][0]
