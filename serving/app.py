@@ -1,0 +1,127 @@
+"""A standalone OpenAI endpoint over one deployment: a bare ASGI app around `Gateway`.
+
+Fathom's web process serves `/v1/...` through Django; this app is for a replica host without
+the control plane, and for benchmarks that compare routed against direct traffic:
+
+    python -m serving.app --state-dir STATE_DIR --port 8000
+
+It routes to the ready replicas listed in the supervisor's `state.json` and runs on daphne.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from serving.gateway import Gateway
+from serving.requests import PromptCounter, ServedModel
+from serving.router import ProxyResponse, Router, StateFileReplicas
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send_json(send: Send, status: int, data: Any) -> None:
+    await _send(send, ProxyResponse(status, "application/json", json.dumps(data).encode()))
+
+
+async def _send(send: Send, response: ProxyResponse) -> None:
+    headers = [(b"content-type", response.content_type.encode())]
+    if response.stream is not None:
+        headers.append((b"cache-control", b"no-cache"))
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    if response.stream is None:
+        await send({"type": "http.response.body", "body": response.body or b""})
+        return
+    stream = response.stream
+    try:
+        async for chunk in stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    finally:
+        # A client that hung up ends the upstream request too (and frees its routing slot).
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def create_app(gateway: Gateway) -> ASGIApp:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await gateway.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        if method == "GET" and path == "/health":
+            await _send_json(send, 200, {"status": "ok"})
+        elif method == "GET" and path == "/v1/models":
+            await _send_json(send, 200, gateway.models())
+        elif method == "POST":
+            await _send(send, await gateway.handle(path, await _read_body(receive)))
+        else:
+            await _send_json(
+                send,
+                404,
+                {
+                    "error": {
+                        "message": f"{method} {path} not found",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "unknown_url",
+                    }
+                },
+            )
+
+    return app
+
+
+def app_for_deployment(state_dir: str | Path) -> ASGIApp:
+    """An app routing to the deployment whose supervisor writes to `state_dir`."""
+    from serving.supervisor import CONFIG_FILE, DeploymentConfig
+
+    config = DeploymentConfig.from_dict(json.loads((Path(state_dir) / CONFIG_FILE).read_text()))
+    gateway = Gateway()
+    model = ServedModel(
+        name=config.name, max_model_len=config.options.max_model_len, counter=PromptCounter(config.checkpoint)
+    )
+    gateway.add(model, Router(StateFileReplicas(state_dir), model=config.name))
+    return create_app(gateway)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serve one deployment's OpenAI endpoint.")
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    from daphne.server import Server
+
+    Server(
+        application=app_for_deployment(args.state_dir),
+        endpoints=[f"tcp:port={args.port}:interface={args.host}"],
+        http_timeout=None,  # streams last as long as generation does
+        verbosity=0,
+    ).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The OpenAI surface over deployments: parse, validate, route, answer. No web framework.
+
+`Gateway.handle(path, raw_body)` is all an HTTP view needs: it returns a `ProxyResponse`
+(status, content type, and a body or an async byte stream) for any input, errors included, in
+OpenAI's shape. Django's ASGI view (after authenticating the API key) and the standalone
+`serving.app` both call it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from serving.errors import OpenAIError, invalid_request
+from serving.requests import ServedModel, check_request
+from serving.router import ProxyResponse, Router, error_response
+
+
+@dataclass
+class Deployment:
+    model: ServedModel
+    router: Router
+
+
+class Gateway:
+    """Deployments by model name. Add or remove them as the control plane starts and stops them."""
+
+    def __init__(self) -> None:
+        self._deployments: dict[str, Deployment] = {}
+
+    def add(self, model: ServedModel, router: Router) -> None:
+        self._deployments[model.name] = Deployment(model, router)
+
+    async def remove(self, name: str) -> None:
+        deployment = self._deployments.pop(name, None)
+        if deployment is not None:
+            await deployment.router.aclose()
+
+    async def aclose(self) -> None:
+        for name in list(self._deployments):
+            await self.remove(name)
+
+    def models(self) -> dict[str, Any]:
+        """The `/v1/models` answer."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "fathom",
+                    "max_model_len": d.model.max_model_len,
+                }
+                for name, d in sorted(self._deployments.items())
+            ],
+        }
+
+    async def handle(self, path: str, raw_body: bytes) -> ProxyResponse:
+        try:
+            try:
+                body = json.loads(raw_body or b"null")
+            except ValueError as exc:
+                raise invalid_request(f"the request body is not valid JSON: {exc}") from exc
+            model = check_request(path, body, {n: d.model for n, d in self._deployments.items()})
+        except OpenAIError as error:
+            return error_response(error)
+        return await self._deployments[model.name].router.forward(path, body)

@@ -1,0 +1,283 @@
+"""Route OpenAI requests to the least-loaded healthy replica of a deployment.
+
+Layers, as in TGI: the HTTP view (Django's, or `serving.app` standalone) validates with
+`serving.requests.check_request` and calls `Router.forward`; the router depends only on the
+small `Backend` interface; `HttpBackend` is the vLLM replica behind it. Everything is async and
+shares one `httpx.AsyncClient`, so a stream costs a coroutine, not a thread.
+
+Choice: among routable replicas (the source says ready, and this router has not seen a
+connection to it fail in the last `eject_s`), the one with the fewest requests this router has
+in flight; ties go round-robin. Failover: if a replica refuses the connection or drops it before
+the response head, the request goes to the next replica (nothing was generated, so nothing is
+repeated). Once bytes flow, a failure ends the response with an OpenAI error (a final SSE
+`data: {"error": ...}` event for streams).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from serving.errors import OpenAIError, no_replica_available, normalize_error_body, upstream_failed, upstream_timeout
+
+
+@dataclass(frozen=True)
+class ReplicaEndpoint:
+    key: str  # stable identity across re-reads (the url: a restarted replica gets a new port)
+    url: str
+
+
+class ReplicaSource(Protocol):
+    def endpoints(self) -> list[ReplicaEndpoint]:
+        """Replicas that may receive requests now."""
+        ...
+
+
+@dataclass(frozen=True)
+class StaticReplicas:
+    urls: tuple[str, ...]
+
+    def endpoints(self) -> list[ReplicaEndpoint]:
+        return [ReplicaEndpoint(u, u) for u in self.urls]
+
+
+class StateFileReplicas:
+    """Ready replicas from a supervisor's `state.json`, re-read when the file changes."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self._path = Path(state_dir) / "state.json"
+        self._stamp: tuple[int, int] | None = None
+        self._endpoints: list[ReplicaEndpoint] = []
+
+    def endpoints(self) -> list[ReplicaEndpoint]:
+        try:
+            stat = os.stat(self._path)
+        except FileNotFoundError:
+            return []
+        stamp = (stat.st_mtime_ns, stat.st_ino)  # the supervisor replaces the file: new inode
+        if stamp != self._stamp:
+            try:
+                state = json.loads(self._path.read_text())
+            except (OSError, ValueError):
+                return self._endpoints  # mid-replace on an odd filesystem: keep the last view
+            self._endpoints = [
+                ReplicaEndpoint(r["url"], r["url"])
+                for r in state.get("replicas", [])
+                if r.get("phase") == "ready" and r.get("url") and not state.get("stopping")
+            ]
+            self._stamp = stamp
+        return self._endpoints
+
+
+class BackendUnavailable(Exception):
+    """The replica could not be reached, or dropped the connection before answering."""
+
+
+@dataclass
+class UpstreamResponse:
+    status: int
+    content_type: str
+    chunks: AsyncIterator[bytes]
+    close: Callable[[], Awaitable[None]]
+
+
+class Backend(Protocol):
+    """One replica, as the router sees it."""
+
+    key: str
+
+    async def health(self) -> bool: ...
+
+    async def send(self, path: str, body: bytes) -> UpstreamResponse:
+        """POST `body` to `path`; return once the response head has arrived. Raises
+        `BackendUnavailable` when nothing was received."""
+        ...
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 3.0  # a replica that does not accept within this is treated as down
+    # Longest silence between two chunks (or before the head of a non-streamed answer, which
+    # vLLM sends only when generation is done): long completions on a busy CPU replica are slow.
+    read_s: float = 600.0
+
+
+class HttpBackend:
+    def __init__(self, key: str, url: str, client: httpx.AsyncClient) -> None:
+        self.key = key
+        self.url = url.rstrip("/")
+        self._client = client
+
+    async def health(self) -> bool:
+        try:
+            return (await self._client.get(f"{self.url}/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def send(self, path: str, body: bytes) -> UpstreamResponse:
+        request = self._client.build_request(
+            "POST", f"{self.url}{path}", content=body, headers={"content-type": "application/json"}
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            # No response head: the replica generated nothing for this request.
+            raise BackendUnavailable(f"{self.url}: {exc!r}") from exc
+        return UpstreamResponse(
+            status=response.status_code,
+            content_type=response.headers.get("content-type", "application/json"),
+            chunks=response.aiter_raw(),
+            close=response.aclose,
+        )
+
+
+@dataclass
+class ProxyResponse:
+    """What the view sends back: a status, a content type, and either a whole body or a stream
+    of bytes to pass through as they come (SSE for `stream: true`)."""
+
+    status: int
+    content_type: str
+    body: bytes | None = None
+    stream: AsyncIterator[bytes] | None = None
+    replica: str | None = None
+
+
+def error_response(error: OpenAIError) -> ProxyResponse:
+    return ProxyResponse(status=error.status, content_type="application/json", body=error.body_bytes())
+
+
+class Router:
+    """Least-outstanding routing with failover over one deployment's replicas."""
+
+    def __init__(
+        self,
+        source: ReplicaSource,
+        *,
+        model: str,
+        client: httpx.AsyncClient | None = None,
+        backend_factory: Callable[[ReplicaEndpoint, httpx.AsyncClient], Backend] | None = None,
+        timeouts: Timeouts = Timeouts(),
+        eject_s: float = 5.0,
+    ) -> None:
+        self.model = model
+        self._source = source
+        self._owns_client = client is None
+        self._timeouts = timeouts
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeouts.read_s, connect=timeouts.connect_s),
+            # Every stream holds a connection; the default pool of 100 would queue the 101st.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            trust_env=False,
+        )
+        self._factory = backend_factory or (lambda e, c: HttpBackend(e.key, e.url, c))
+        self._backends: dict[str, Backend] = {}
+        self._outstanding: dict[str, int] = {}
+        self._ejected_until: dict[str, float] = {}
+        # eject_s: after a failed connection, how long this router leaves the replica alone; the
+        # supervisor's state file catches up within its probe interval.
+        self._eject_s = eject_s
+        self._tiebreak = itertools.count()
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    def outstanding(self) -> dict[str, int]:
+        """Requests in flight per replica key (streams count until their last byte)."""
+        return {k: v for k, v in self._outstanding.items() if v}
+
+    def routable(self) -> list[Backend]:
+        now = time.monotonic()
+        live = []
+        for endpoint in self._source.endpoints():
+            if self._ejected_until.get(endpoint.key, 0.0) > now:
+                continue
+            backend = self._backends.get(endpoint.key)
+            if backend is None:
+                backend = self._backends[endpoint.key] = self._factory(endpoint, self._client)
+            live.append(backend)
+        return live
+
+    def pick(self, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
+        candidates = [b for b in self.routable() if b.key not in exclude]
+        if not candidates:
+            return None
+        least = min(self._outstanding.get(b.key, 0) for b in candidates)
+        tied = [b for b in candidates if self._outstanding.get(b.key, 0) == least]
+        return tied[next(self._tiebreak) % len(tied)]
+
+    def _acquire(self, key: str) -> None:
+        self._outstanding[key] = self._outstanding.get(key, 0) + 1
+
+    def _release(self, key: str) -> None:
+        self._outstanding[key] = self._outstanding.get(key, 1) - 1
+
+    async def forward(self, path: str, body: dict[str, Any]) -> ProxyResponse:
+        """Send a validated request to a replica and return its answer; never raises for
+        replica failures (they become OpenAI error responses)."""
+        payload = json.dumps(body).encode()
+        tried: set[str] = set()
+        last_failure = ""
+        while (backend := self.pick(tried)) is not None:
+            tried.add(backend.key)
+            self._acquire(backend.key)
+            try:
+                upstream = await backend.send(path, payload)
+            except BackendUnavailable as exc:
+                self._release(backend.key)
+                self._ejected_until[backend.key] = time.monotonic() + self._eject_s
+                last_failure = str(exc)
+                continue
+            except httpx.TimeoutException:
+                self._release(backend.key)
+                return error_response(upstream_timeout(self._timeouts.read_s))
+            except BaseException:
+                self._release(backend.key)
+                raise
+            return await self._relay(backend.key, upstream, bool(body.get("stream")))
+        if last_failure:
+            return error_response(upstream_failed(f"no replica could be reached (last: {last_failure})"))
+        return error_response(no_replica_available(self.model))
+
+    async def _relay(self, key: str, upstream: UpstreamResponse, streaming: bool) -> ProxyResponse:
+        if upstream.status >= 400 or not streaming:
+            try:
+                raw = b"".join([chunk async for chunk in upstream.chunks])
+            except httpx.TimeoutException:
+                return error_response(upstream_timeout(self._timeouts.read_s))
+            except httpx.HTTPError as exc:
+                return error_response(upstream_failed(f"the response broke off: {exc!r}"))
+            finally:
+                await upstream.close()
+                self._release(key)
+            if upstream.status >= 400:
+                return ProxyResponse(
+                    upstream.status, "application/json", normalize_error_body(upstream.status, raw), replica=key
+                )
+            return ProxyResponse(upstream.status, upstream.content_type, raw, replica=key)
+        return ProxyResponse(upstream.status, upstream.content_type, stream=self._stream(key, upstream), replica=key)
+
+    async def _stream(self, key: str, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+        """Pass the replica's bytes through; the request stays outstanding until the stream ends
+        or the client goes away (the view closes this generator)."""
+        try:
+            async for chunk in upstream.chunks:
+                yield chunk
+        except httpx.TimeoutException:
+            yield upstream_timeout(self._timeouts.read_s).sse_event()
+        except httpx.HTTPError as exc:
+            yield upstream_failed(f"the stream broke off: {exc!r}").sse_event()
+        finally:
+            with contextlib.suppress(Exception):
+                await upstream.close()
+            self._release(key)

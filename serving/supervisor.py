@@ -1,0 +1,525 @@
+"""Run a deployment's vLLM replicas: start, probe, restart with backoff, drain and stop.
+
+One `Supervisor` owns the replicas of one deployment. It is asyncio code meant to live in a
+process of its own, started detached by the control plane:
+
+    python -m serving.supervisor --config STATE_DIR/deployment.json
+
+so that replicas outlive web and worker restarts. It publishes what it knows in two files under
+the deployment's `state_dir`, which any process can read without talking to it:
+
+- `state.json`: each replica's url, port, pid, phase and restart count, rewritten atomically on
+  every change and at least every `health_interval_s` (`updated_at` doubles as a heartbeat);
+  `serving.router.StateFileReplicas` routes from it.
+- `events.jsonl`: one lifecycle event per line (`replica_starting`, `replica_ready`,
+  `replica_died`, `replica_restarting`, `replica_stopped`), for the control plane to store as it
+  stores run events.
+
+SIGTERM (see `request_stop`) drains every replica, stops it and exits.
+
+Each replica is its own session (process group), so stopping it also stops vLLM's engine-core
+child; each is started through a small launcher that sets PR_SET_PDEATHSIG, so replicas die with
+the supervisor even when it is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from serving.metrics import parse_prometheus
+from serving.vllm import LaunchSpec, OptionError, ReplicaOptions, replica_launch
+
+EventKind = Literal[
+    "replica_starting", "replica_ready", "replica_unhealthy", "replica_died", "replica_restarting",
+    "replica_stopped",
+]  # fmt: skip
+# ready: routers may send requests. unhealthy: running but failing /health, routers skip it.
+# draining: finishing outstanding requests before stop, routers skip it.
+Phase = Literal["starting", "ready", "unhealthy", "draining", "restarting", "stopped"]
+
+STATE_FILE = "state.json"
+EVENTS_FILE = "events.jsonl"
+CONFIG_FILE = "deployment.json"
+
+# Run the replica's own argv after asking the kernel to SIGTERM it when its parent (this
+# supervisor) dies; exit at once if the parent is already gone. execvp keeps the setting.
+_PDEATHSIG_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploymentConfig:
+    """One deployment: which checkpoint, under which name, on how many replicas, with what timing."""
+
+    name: str  # the model name clients send (`--served-model-name`)
+    checkpoint: str  # Hugging Face checkpoint directory
+    state_dir: str  # logs, state.json, events.jsonl and vLLM's cache for this deployment
+    python: str  # interpreter of the vLLM environment (tools/vllm_env.sh prints it)
+    replicas: int = 1
+    options: ReplicaOptions = field(default_factory=ReplicaOptions)
+    host: str = "127.0.0.1"
+    # CPU core lists handed out round-robin (replica i gets cpu_binds[i % len]); empty keeps
+    # options.cpu_threads_bind for all. vLLM's "auto" pins every replica to the same first core.
+    cpu_binds: tuple[str, ...] = ()
+    # A replica not answering /health by then is killed and restarted. Eager CPU start is ~30 s,
+    # a first compiled start ~130 s; GPU starts of large models take minutes.
+    ready_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    # Consecutive failed probes of a running replica before routers are told to skip it.
+    unhealthy_after: int = 3
+    # Restart delay: base * 2**(failures in a row), capped. A replica that stayed ready for
+    # backoff_reset_s starts over at base.
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    backoff_reset_s: float = 60.0
+    # On stop: how long to wait for in-flight requests, then how long SIGTERM gets before SIGKILL.
+    drain_timeout_s: float = 30.0
+    stop_grace_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c.isspace() for c in self.name):
+            raise OptionError("name", f"must be a non-empty model name without spaces; got {self.name!r}")
+        if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 64:
+            raise OptionError("replicas", f"must be an integer from 1 to 64; got {self.replicas!r}")
+        if isinstance(self.options, dict):
+            object.__setattr__(self, "options", ReplicaOptions.from_dict(self.options))
+        object.__setattr__(self, "cpu_binds", tuple(self.cpu_binds))
+        for bind in self.cpu_binds:
+            dataclasses.replace(self.options, cpu_threads_bind=bind)  # validates the core list
+        for name in ("ready_timeout_s", "health_interval_s", "restart_backoff_s", "drain_timeout_s", "stop_grace_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise OptionError(name, f"must be a positive number of seconds; got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeploymentConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise OptionError(key, f"is not a deployment field; fields are {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["cpu_binds"] = list(self.cpu_binds)
+        return data
+
+    def write(self) -> Path:
+        """Write `deployment.json` into the state directory and return its path."""
+        path = Path(self.state_dir) / CONFIG_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, json.dumps(self.to_dict(), indent=2))
+        return path
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaEvent:
+    kind: EventKind
+    deployment: str
+    replica: int
+    at: float
+    port: int | None = None
+    pid: int | None = None
+    restarts: int = 0
+    exit_code: int | None = None  # replica_died: the exit status, negative for a signal
+    delay_s: float | None = None  # replica_restarting: backoff before the next start
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(kw_only=True)
+class ReplicaState:
+    index: int
+    phase: Phase = "starting"
+    port: int | None = None
+    pid: int | None = None
+    url: str | None = None
+    restarts: int = 0
+    last_exit_code: int | None = None
+    log: str = ""
+    started_at: float | None = None
+    ready_at: float | None = None
+
+
+@dataclass(kw_only=True)
+class DeploymentState:
+    """The content of `state.json`."""
+
+    deployment: str
+    supervisor_pid: int
+    updated_at: float
+    stopping: bool
+    replicas: list[ReplicaState]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeploymentState:
+        return cls(
+            deployment=data["deployment"],
+            supervisor_pid=data["supervisor_pid"],
+            updated_at=data["updated_at"],
+            stopping=data["stopping"],
+            replicas=[ReplicaState(**r) for r in data["replicas"]],
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now. Another process may take it before vLLM binds it; the replica then
+    exits and its restart picks a new port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers see the old or the new file, never half of one
+
+
+def _kill_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+class Supervisor:
+    """Keeps `config.replicas` replicas running until `stop()`.
+
+    `on_event` is called (in the event loop) with every lifecycle event; it must not block.
+    """
+
+    def __init__(self, config: DeploymentConfig, on_event: Callable[[ReplicaEvent], None] | None = None) -> None:
+        self.config = config
+        self._on_event = on_event
+        self._state_dir = Path(config.state_dir)
+        self._replicas = [ReplicaState(index=i) for i in range(config.replicas)]
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._changed = asyncio.Event()
+        self._client: httpx.AsyncClient | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    @property
+    def replicas(self) -> list[ReplicaState]:
+        return list(self._replicas)
+
+    async def start(self) -> None:
+        """Launch every replica and return; they become ready in the background."""
+        for sub in ("logs", "tmp", "vllm-cache"):
+            (self._state_dir / sub).mkdir(parents=True, exist_ok=True)
+        # trust_env=False: a proxy from the environment must never see loopback probes.
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
+        self._tasks = [asyncio.create_task(self._keep_running(r)) for r in self._replicas]
+        self._heartbeat = asyncio.create_task(self._write_state_periodically())
+        self._write_state()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Return once every replica is ready; raise TimeoutError naming the ones that are not."""
+        deadline = time.monotonic() + timeout_s
+        while not all(r.phase == "ready" for r in self._replicas):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                phases = {r.index: r.phase for r in self._replicas}
+                raise TimeoutError(f"replicas not ready after {timeout_s} s: {phases}")
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+
+    async def stop(self) -> None:
+        """Drain every replica (stop routing, let in-flight requests finish up to
+        `drain_timeout_s`), terminate it with its children, and return when all are gone."""
+        self._stopping = True
+        await asyncio.gather(*(self._stop_replica(r) for r in self._replicas))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._heartbeat:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        self._write_state()
+        if self._client:
+            await self._client.aclose()
+
+    # -- one replica's life ---------------------------------------------------------------
+
+    async def _keep_running(self, replica: ReplicaState) -> None:
+        failures_in_a_row = 0
+        proc: asyncio.subprocess.Process | None = None
+        try:
+            while not self._stopping:
+                proc, launch = await self._spawn(replica)
+                if self._stopping:  # stop() ran while the process was being created
+                    await self._terminate(proc, grace_s=self.config.stop_grace_s)
+                    return
+                message = ""
+                if await self._wait_healthy(replica, proc, launch):
+                    self._set_phase(replica, "ready", ready_at=time.time())
+                    self._emit("replica_ready", replica)
+                    await self._watch(replica, proc, launch)
+                    if replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s:
+                        failures_in_a_row = 0
+                elif proc.returncode is None and not self._stopping:
+                    message = f"not healthy after {self.config.ready_timeout_s} s; killed. "
+                    await self._terminate(proc, grace_s=0)
+                # While stopping, stop() terminates the process; this only waits for it.
+                code = await proc.wait()
+                _kill_group(proc.pid, signal.SIGKILL)  # orphans of a replica killed from outside
+                if self._stopping:
+                    return
+                replica.last_exit_code = code
+                self._emit("replica_died", replica, exit_code=code, message=f"{message}exit code {code}")
+                delay = min(self.config.restart_backoff_s * 2**failures_in_a_row, self.config.restart_backoff_max_s)
+                failures_in_a_row += 1
+                replica.restarts += 1
+                self._set_phase(replica, "restarting")
+                self._emit("replica_restarting", replica, delay_s=delay)
+                await asyncio.sleep(delay)
+        finally:
+            # Cancelled or failed mid-way: never leave a replica running without a supervisor.
+            if proc is not None and proc.returncode is None:
+                _kill_group(proc.pid, signal.SIGKILL)
+
+    async def _spawn(self, replica: ReplicaState) -> tuple[asyncio.subprocess.Process, LaunchSpec]:
+        cfg = self.config
+        bind = cfg.cpu_binds[replica.index % len(cfg.cpu_binds)] if cfg.cpu_binds else None
+        launch = replica_launch(
+            cfg.options, cfg.checkpoint,
+            served_model_name=cfg.name, port=free_port(cfg.host), python=cfg.python,
+            state_dir=self._state_dir, host=cfg.host, cpu_threads_bind=bind,
+        )  # fmt: skip
+        log_path = self._state_dir / "logs" / f"replica-{replica.index}.log"
+        argv = launch.argv
+        if sys.platform == "linux":
+            argv = [cfg.python, "-c", _PDEATHSIG_LAUNCHER, str(os.getpid()), *argv]
+        with log_path.open("ab") as log:
+            log.write(f"\n=== fathom: starting replica {replica.index} on port {launch.port}\n".encode())
+            log.flush()
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **launch.env}, start_new_session=True,
+            )  # fmt: skip
+        self._procs[replica.index] = proc
+        self._set_phase(
+            replica, "starting",
+            port=launch.port, pid=proc.pid, url=launch.url, log=str(log_path), started_at=time.time(), ready_at=None,
+        )  # fmt: skip
+        self._emit("replica_starting", replica)
+        return proc, launch
+
+    async def _probe(self, url: str) -> bool:
+        assert self._client is not None
+        try:
+            response = await self._client.get(f"{url}/health", timeout=self.config.health_interval_s * 2)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def _wait_healthy(self, replica: ReplicaState, proc: asyncio.subprocess.Process, launch: LaunchSpec) -> bool:
+        """True once /health answers 200; False if the process exits or `ready_timeout_s` passes."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while proc.returncode is None and not self._stopping and time.monotonic() < deadline:
+            if await self._probe(launch.url):
+                return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 0.5)
+        return False
+
+    async def _watch(self, replica: ReplicaState, proc: asyncio.subprocess.Process, launch: LaunchSpec) -> None:
+        """Probe a ready replica until its process exits (or the supervisor stops)."""
+        failed = 0
+        while proc.returncode is None and not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), self.config.health_interval_s)
+            if proc.returncode is not None or self._stopping:
+                return
+            if await self._probe(launch.url):
+                failed = 0
+                if replica.phase == "unhealthy":
+                    self._set_phase(replica, "ready")
+                    self._emit("replica_ready", replica, message="healthy again")
+            else:
+                failed += 1
+                if failed == self.config.unhealthy_after and replica.phase == "ready":
+                    self._set_phase(replica, "unhealthy")
+                    self._emit("replica_unhealthy", replica, message=f"{failed} failed health probes")
+        if self._stopping:
+            # stop() owns the process from here; wait for it so _keep_running returns cleanly.
+            await proc.wait()
+
+    async def _stop_replica(self, replica: ReplicaState) -> None:
+        proc = self._procs.get(replica.index)
+        if proc is not None and proc.returncode is None:
+            if replica.phase == "ready" and replica.url:
+                self._set_phase(replica, "draining")
+                await self._drain(replica.url)
+            await self._terminate(proc, grace_s=self.config.stop_grace_s)
+        self._set_phase(replica, "stopped")
+        self._emit("replica_stopped", replica)
+
+    async def _drain(self, url: str) -> None:
+        """Wait until the replica reports no running or waiting request. Routers stop sending new
+        requests once state.json says `draining`; this waits out the ones already sent."""
+        assert self._client is not None
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        # Routers re-read state.json when its mtime changes; give them one probe interval to see
+        # the draining phase before counting, so a request they pick meanwhile is still counted.
+        await asyncio.sleep(min(self.config.health_interval_s, self.config.drain_timeout_s))
+        while time.monotonic() < deadline:
+            try:
+                text = (await self._client.get(f"{url}/metrics")).text
+            except httpx.HTTPError:
+                return
+            samples = parse_prometheus(text)
+            busy = sum(
+                v
+                for (name, _), v in samples.items()
+                if name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+            )
+            if busy == 0:
+                return
+            await asyncio.sleep(0.5)
+
+    async def _terminate(self, proc: asyncio.subprocess.Process, grace_s: float) -> None:
+        """SIGTERM the replica's process group, SIGKILL it after `grace_s`."""
+        _kill_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            pass
+        _kill_group(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+    # -- state and events -------------------------------------------------------------------
+
+    def _set_phase(self, replica: ReplicaState, phase: Phase, **changes: Any) -> None:
+        replica.phase = phase
+        for name, value in changes.items():
+            setattr(replica, name, value)
+        self._write_state()
+        self._changed.set()
+
+    def _emit(self, kind: EventKind, replica: ReplicaState, **extra: Any) -> None:
+        event = ReplicaEvent(
+            kind=kind, deployment=self.config.name, replica=replica.index, at=time.time(),
+            port=replica.port, pid=replica.pid, restarts=replica.restarts, **extra,
+        )  # fmt: skip
+        with (self._state_dir / EVENTS_FILE).open("a") as events:
+            events.write(json.dumps(event.to_dict()) + "\n")
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def state(self) -> DeploymentState:
+        return DeploymentState(
+            deployment=self.config.name,
+            supervisor_pid=os.getpid(),
+            updated_at=time.time(),
+            stopping=self._stopping,
+            replicas=[dataclasses.replace(r) for r in self._replicas],
+        )
+
+    def _write_state(self) -> None:
+        _write_atomic(self._state_dir / STATE_FILE, json.dumps(dataclasses.asdict(self.state()), indent=2))
+
+    async def _write_state_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            self._write_state()
+
+
+# -- for the control plane: a detached supervisor per deployment ------------------------------
+
+
+def read_state(state_dir: str | Path) -> DeploymentState | None:
+    """The last state a supervisor wrote, or None before its first write."""
+    try:
+        return DeploymentState.from_dict(json.loads((Path(state_dir) / STATE_FILE).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def read_events(state_dir: str | Path, offset: int = 0) -> tuple[list[ReplicaEvent], int]:
+    """Events written after byte `offset` of events.jsonl, and the offset to pass next time."""
+    path = Path(state_dir) / EVENTS_FILE
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
+    events = [ReplicaEvent(**json.loads(line)) for line in complete.splitlines() if line.strip()]
+    return events, offset + len(complete)
+
+
+def launch_detached(config: DeploymentConfig, python: str = sys.executable) -> int:
+    """Start `python -m serving.supervisor` for this deployment in its own session and return its
+    pid. It keeps running when the caller exits; stop it with `request_stop`."""
+    import subprocess
+
+    config_path = config.write()
+    log = (Path(config.state_dir) / "supervisor.log").open("ab")
+    repo_root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [python, "-m", "serving.supervisor", "--config", str(config_path)],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+    )  # fmt: skip
+    log.close()
+    return proc.pid
+
+
+def request_stop(state_dir: str | Path) -> bool:
+    """Ask a detached supervisor to drain and stop its replicas. False if none is running."""
+    state = read_state(state_dir)
+    if state is None:
+        return False
+    try:
+        os.kill(state.supervisor_pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _serve(config: DeploymentConfig) -> None:
+    supervisor = Supervisor(config, on_event=lambda e: print(json.dumps(e.to_dict()), flush=True))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await supervisor.start()
+    await stop.wait()
+    await supervisor.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run one deployment's vLLM replicas until SIGTERM.")
+    parser.add_argument("--config", required=True, help="deployment.json (DeploymentConfig as JSON)")
+    args = parser.parse_args(argv)
+    config = DeploymentConfig.from_dict(json.loads(Path(args.config).read_text()))
+    asyncio.run(_serve(config))
+
+
+if __name__ == "__main__":
+    main()

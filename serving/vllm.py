@@ -1,0 +1,394 @@
+"""Replica options, what a checkpoint and a device allow, and the command that starts one replica.
+
+A replica is vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), run from its
+own virtualenv (`tools/vllm_env.sh`) on CPU or from the `vllm` package / `vllm/vllm-openai` image
+on GPUs. This module only builds argv and environment; `serving.supervisor` runs them.
+
+What vLLM 0.32 supports, read from its source (`vllm/platforms/cpu.py`,
+`vllm/model_executor/kernels/linear/{scaled_mm,mixed_precision}/cpu.py`,
+`vllm/v1/attention/backends/cpu_attn.py`) and checked on this machine where it could be:
+
+- CPU attention takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and KV blocks
+  that are multiples of 32 (default 128). The KV cache size is `VLLM_CPU_KVCACHE_SPACE`, whole GiB.
+- CPU int8 is W8A8 only (oneDNN `int8_scaled_mm`): a compressed-tensors checkpoint with int8
+  weights and int8 activations. There is no int8 weight-only (W8A16) CPU kernel; the
+  `int8_per_channel_weight_only` online method quantizes MoE experts only, not dense layers.
+- CPU int4 is weight-only W4A16 (`CPUWNA16`): GPTQ / AWQ / compressed-tensors 4-bit checkpoints
+  whose linear input and output sizes are multiples of 32. vLLM does not quantize to int4 online.
+- CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer).
+- On CUDA, fp8 is online (`--quantization fp8`) from a 16/32-bit checkpoint or read from an fp8
+  checkpoint (compute capability >= 8.9 for W8A8, >= 7.5 as weight-only Marlin); int8
+  weight-only and int4 come from checkpoints quantized to those widths (GPTQ/AWQ/compressed-
+  tensors, Marlin kernels); W8A8 int8 needs compute capability >= 7.5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+Device = Literal["cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# none: serve the checkpoint as stored. int8_weight_only: W8A16. int8_w8a8: int8 weights and
+# activations. fp8: 8-bit float weights (and activations where the device has the kernels).
+# int4: W4A16.
+Quantization = Literal["none", "int8_weight_only", "int8_w8a8", "fp8", "int4"]
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# "auto" pins vLLM's engine threads per NUMA node; "nobind" leaves placement to the OS; or a
+# list of core ids such as "0-3,8".
+_CPU_BIND = re.compile(r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$")
+
+
+class OptionError(ValueError):
+    """A replica option that is not allowed; `field` names it as a form or an API client shows it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise OptionError(field, message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    _require(value in allowed, name, f"must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaOptions:
+    """How one vLLM replica runs. Checks that need only these values run in `__post_init__`;
+    checks against a checkpoint and a device run in `check_compatible`."""
+
+    device: Device = "cpu"
+    # Longest prompt + completion in tokens; at most the checkpoint's max_position_embeddings.
+    max_model_len: int = 1024
+    # Sequences batched together (`--max-num-seqs`); more queue inside vLLM.
+    max_num_seqs: int = 64
+    # CPU only: KV-cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`, which vLLM reads as an integer).
+    kv_cache_gib: int = 1
+    # CUDA only: fraction of GPU memory vLLM may take for weights, activations and KV cache.
+    gpu_memory_utilization: float = 0.9
+    # Tokens per KV block; None takes vLLM's default (128 on CPU, 16 on CUDA).
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: Dtype = "auto"
+    quantization: Quantization = "none"
+    # Skip graph capture / torch.compile: ready in ~30 s instead of ~60-130 s on CPU, slower decode.
+    enforce_eager: bool = False
+    # CPU only: which cores the engine's OpenMP threads use (`VLLM_CPU_OMP_THREADS_BIND`).
+    cpu_threads_bind: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("device", self.device, get_args(Device))
+        _choice("dtype", self.dtype, get_args(Dtype))
+        _choice("quantization", self.quantization, get_args(Quantization))
+        _require(
+            _is_int(self.max_model_len) and 16 <= self.max_model_len <= 1_048_576,
+            "max_model_len",
+            f"must be an integer from 16 to 1048576; got {self.max_model_len!r}",
+        )
+        _require(
+            _is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 4096,
+            "max_num_seqs",
+            f"must be an integer from 1 to 4096; got {self.max_num_seqs!r}",
+        )
+        _require(
+            _is_int(self.kv_cache_gib) and 1 <= self.kv_cache_gib <= 4096,
+            "kv_cache_gib",
+            f"must be a whole number of GiB from 1 to 4096 (vLLM reads VLLM_CPU_KVCACHE_SPACE as "
+            f"an integer); got {self.kv_cache_gib!r}",
+        )
+        _require(
+            isinstance(self.gpu_memory_utilization, (int, float))
+            and not isinstance(self.gpu_memory_utilization, bool)
+            and 0.05 <= self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"must be a fraction from 0.05 to 1.0; got {self.gpu_memory_utilization!r}",
+        )
+        if self.block_size is not None:
+            if self.device == "cpu":
+                _require(
+                    _is_int(self.block_size) and self.block_size % 32 == 0 and 32 <= self.block_size <= 512,
+                    "block_size",
+                    f"on cpu must be a multiple of 32 from 32 to 512 (vLLM's CPU attention kernel); "
+                    f"got {self.block_size!r}",
+                )
+            else:
+                _require(
+                    _is_int(self.block_size) and self.block_size % 16 == 0 and 16 <= self.block_size <= 256,
+                    "block_size",
+                    f"on cuda must be a multiple of 16 from 16 to 256; got {self.block_size!r}",
+                )
+        _require(
+            isinstance(self.enable_prefix_caching, bool),
+            "enable_prefix_caching",
+            f"must be true or false; got {self.enable_prefix_caching!r}",
+        )
+        _require(
+            isinstance(self.enforce_eager, bool), "enforce_eager", f"must be true or false; got {self.enforce_eager!r}"
+        )
+        _require(
+            isinstance(self.cpu_threads_bind, str) and bool(_CPU_BIND.match(self.cpu_threads_bind)),
+            "cpu_threads_bind",
+            f"must be 'auto', 'nobind' or core ids like '0-3,8'; got {self.cpu_threads_bind!r}",
+        )
+        _require(_is_int(self.seed), "seed", f"must be an integer; got {self.seed!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaOptions:
+        """Options from JSON, naming any key that is not an option."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            _require(key in known, key, f"is not a replica option; options are {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+CheckpointQuant = Literal["none", "int8_weight_only", "int8_w8a8", "fp8", "int4", "other"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What `config.json` of a Hugging Face checkpoint says that matters for serving it."""
+
+    path: Path
+    architectures: tuple[str, ...]
+    max_position_embeddings: int
+    hidden_size: int
+    intermediate_size: int
+    head_dim: int
+    dtype: str
+    quant: CheckpointQuant
+    quant_method: str | None
+
+    @classmethod
+    def read(cls, path: str | Path) -> CheckpointInfo:
+        path = Path(path)
+        config_file = path / "config.json"
+        _require(config_file.is_file(), "checkpoint", f"{path} has no config.json")
+        _require(
+            (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file(),
+            "checkpoint",
+            f"{path} has no tokenizer (tokenizer.json or tokenizer.model)",
+        )
+        config = json.loads(config_file.read_text())
+        text = config.get("text_config", config)  # multimodal configs nest the language model
+        hidden = int(text.get("hidden_size", 0))
+        heads = int(text.get("num_attention_heads", 1))
+        head_dim = int(text.get("head_dim") or (hidden // heads if heads else 0))
+        quant_config = config.get("quantization_config")
+        return cls(
+            path=path,
+            architectures=tuple(config.get("architectures") or ()),
+            max_position_embeddings=int(text.get("max_position_embeddings", 0)),
+            hidden_size=hidden,
+            intermediate_size=int(text.get("intermediate_size", 0)),
+            head_dim=head_dim,
+            dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
+            quant=_checkpoint_quant(quant_config),
+            quant_method=(quant_config or {}).get("quant_method"),
+        )
+
+
+def _checkpoint_quant(quant_config: dict[str, Any] | None) -> CheckpointQuant:
+    """Classify a `quantization_config` block by weight width and whether activations are quantized."""
+    if not quant_config:
+        return "none"
+    method = quant_config.get("quant_method")
+    if method in ("gptq", "awq"):
+        bits = quant_config.get("bits", quant_config.get("w_bit"))
+        if bits == 4:
+            return "int4"
+        return "int8_weight_only" if bits == 8 else "other"
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        for group in (quant_config.get("config_groups") or {}).values():
+            weights = group.get("weights") or {}
+            activations = group.get("input_activations")
+            if weights.get("type") == "float" and weights.get("num_bits") == 8:
+                return "fp8"
+            if weights.get("num_bits") == 4:
+                return "int4"
+            if weights.get("num_bits") == 8:
+                return "int8_w8a8" if activations else "int8_weight_only"
+    return "other"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo:
+    """The device a replica will run on. `cpu_flags` and `cuda_capability` are filled where known;
+    a check that needs an unknown fact passes and leaves the final word to vLLM."""
+
+    kind: Device
+    cpu_flags: frozenset[str] = field(default_factory=frozenset)
+    cuda_capability: tuple[int, int] | None = None
+
+    @classmethod
+    def local_cpu(cls) -> DeviceInfo:
+        flags: frozenset[str] = frozenset()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("flags"):
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
+        except OSError:
+            pass
+        return cls(kind="cpu", cpu_flags=flags)
+
+
+def check_compatible(options: ReplicaOptions, checkpoint: CheckpointInfo, device: DeviceInfo) -> None:
+    """Raise `OptionError` naming the option when this checkpoint cannot be served with these
+    options on this device."""
+    _require(
+        options.device == device.kind,
+        "device",
+        f"the options ask for {options.device!r} but the replica host has {device.kind!r}",
+    )
+    if checkpoint.max_position_embeddings:
+        _require(
+            options.max_model_len <= checkpoint.max_position_embeddings,
+            "max_model_len",
+            f"{options.max_model_len} exceeds the checkpoint's max_position_embeddings "
+            f"({checkpoint.max_position_embeddings})",
+        )
+    if device.kind == "cpu":
+        _require(
+            checkpoint.head_dim in CPU_HEAD_SIZES,
+            "device",
+            f"vLLM's CPU attention supports head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; "
+            f"this checkpoint's head size is {checkpoint.head_dim}",
+        )
+    _check_quantization(options, checkpoint, device)
+
+
+def _check_quantization(options: ReplicaOptions, ckpt: CheckpointInfo, device: DeviceInfo) -> None:
+    wanted = options.quantization
+    _require(
+        ckpt.quant != "other",
+        "quantization",
+        f"the checkpoint uses quantization method {ckpt.quant_method!r}, which Fathom does not "
+        f"recognise; supported checkpoints: gptq/awq 4- or 8-bit, fp8, compressed-tensors",
+    )
+    if wanted == "none":
+        _require(
+            ckpt.quant == "none",
+            "quantization",
+            f"'none' but the checkpoint is already quantized ({ckpt.quant}, method "
+            f"{ckpt.quant_method!r}); set quantization to {ckpt.quant!r}",
+        )
+        return
+    # vLLM quantizes online only to fp8; every other width must already be in the checkpoint.
+    _require(
+        ckpt.quant == wanted or (wanted == "fp8" and ckpt.quant == "none"),
+        "quantization",
+        f"{wanted!r} needs a checkpoint quantized to {wanted} (vLLM quantizes online only to "
+        f"fp8); this checkpoint is {ckpt.quant!r}",
+    )
+    if device.kind == "cpu":
+        _require(
+            wanted != "int8_weight_only",
+            "quantization",
+            "'int8_weight_only' is not supported on cpu: vLLM's CPU kernels run int8 only as "
+            "W8A8 ('int8_w8a8', a compressed-tensors checkpoint) and weight-only at 4 bits ('int4')",
+        )
+        _require(
+            wanted != "fp8" or "amx_tile" in device.cpu_flags,
+            "quantization",
+            "'fp8' on cpu needs AMX tiles (Intel Sapphire Rapids or newer); this CPU has none",
+        )
+        if wanted == "int4":
+            for name, size in (("hidden_size", ckpt.hidden_size), ("intermediate_size", ckpt.intermediate_size)):
+                _require(
+                    size % 32 == 0,
+                    "quantization",
+                    f"'int4' on cpu needs linear sizes that are multiples of 32 (vLLM's CPUWNA16 "
+                    f"kernel); the checkpoint's {name} is {size}",
+                )
+    elif device.cuda_capability is not None:
+        minimum = {"fp8": (7, 5), "int8_w8a8": (7, 5), "int8_weight_only": (8, 0), "int4": (7, 0)}[wanted]
+        _require(
+            device.cuda_capability >= minimum,
+            "quantization",
+            f"{wanted!r} needs CUDA compute capability >= {minimum[0]}.{minimum[1]}; this GPU has "
+            f"{device.cuda_capability[0]}.{device.cuda_capability[1]}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """What starts one replica: argv, the environment to add to the parent's, and where it listens."""
+
+    argv: list[str]
+    env: dict[str, str]
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def replica_launch(
+    options: ReplicaOptions,
+    checkpoint_dir: str | Path,
+    *,
+    served_model_name: str,
+    port: int,
+    python: str,
+    state_dir: str | Path,
+    host: str = "127.0.0.1",
+    cpu_threads_bind: str | None = None,
+) -> LaunchSpec:
+    """The command and environment for one replica. `state_dir` holds vLLM's cache and temporary
+    files so that a replica leaves nothing elsewhere; `cpu_threads_bind` overrides the options'
+    (the supervisor gives each replica its own cores)."""
+    state = Path(state_dir)
+    argv = [
+        python, "-m", VLLM_SERVER_MODULE,
+        "--model", str(checkpoint_dir),
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--max-model-len", str(options.max_model_len),
+        "--max-num-seqs", str(options.max_num_seqs),
+        "--dtype", options.dtype,
+        "--seed", str(options.seed),
+        "--enable-prefix-caching" if options.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    if options.block_size is not None:
+        argv += ["--block-size", str(options.block_size)]
+    if options.enforce_eager:
+        argv.append("--enforce-eager")
+    if options.quantization == "fp8":
+        # An fp8 checkpoint declares itself; a 16/32-bit one is quantized while loading.
+        argv += ["--quantization", "fp8"]
+    if options.device == "cuda":
+        argv += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
+    env = {
+        "HF_HUB_OFFLINE": "1",  # weights come from disk only; a replica host may have no network
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CACHE_ROOT": str(state / "vllm-cache"),
+        "TMPDIR": str(state / "tmp"),
+        "PYTHONUNBUFFERED": "1",  # log lines reach the replica's log file as they happen
+    }
+    if options.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(options.kv_cache_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind or options.cpu_threads_bind
+    return LaunchSpec(argv=argv, env=env, host=host, port=port)
