@@ -277,10 +277,13 @@ class NodeAgent(SimpleElasticAgent):
                 self._exit_barrier()
                 return Outcome(code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": latest_committed_step(self.config.run_dir)})
             if state.failures:
-                self._handle_failures(state.failures)
+                # Root causes first: a rank that died or hung takes its peers' collectives down
+                # with it, and they exit with an error in the same instant.
+                failures = sorted(state.failures, key=lambda f: ("hung", "killed by signal", "exited").index(f.reason))
+                self._handle_failures(failures)
                 if self._remaining_restarts <= 0:
                     self._stop_workers(group)
-                    first = state.failures[0]
+                    first = failures[0]
                     return Outcome(
                         code=ExitCode.FAILED,
                         kind="failed",

@@ -20,8 +20,10 @@ fire one after another in the same run.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,9 @@ class FaultHook:
             fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
-        # The marker must be on disk before the process dies, or the resumed run fires again.
+        # When it fired, for whoever measures detection; on disk before the process dies, or
+        # the resumed run would fire it again.
+        os.write(fd, json.dumps({"time": time.time(), "pid": os.getpid()}).encode())
         os.fsync(fd)
         os.close(fd)
         return True

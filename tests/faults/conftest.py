@@ -11,6 +11,14 @@ from tests.faults.harness import Agents, IngestServer
 
 
 @pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Agents]:
+    """Agents whose ranks run the real trainer (`python -m training.train`)."""
+    runner = Agents(tmp_path=tmp_path, entrypoint="training.train")
+    yield runner
+    runner.cleanup()
+
+
+@pytest.fixture
 def fake_agents(tmp_path: Path) -> Iterator[Agents]:
     """Agents whose ranks run the stand-in rank (seconds per run): for the agent's own mechanics."""
     agents = Agents(tmp_path=tmp_path, entrypoint="tests.faults.fake_rank")

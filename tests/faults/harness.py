@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from training.config import RunSpec
+from training.config import RunSpec, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 # Seconds an agent run may take before the test fails instead of hanging.
@@ -195,3 +195,27 @@ class IngestServer:
     def held(self, source: str) -> list[dict[str, Any]]:
         with self.lock:
             return [self.events.get(source, {})[seq] for seq in sorted(self.events.get(source, {}))]
+
+
+def training_spec(
+    *,
+    steps: int = 12,
+    checkpoint_interval: int = 4,
+    faults: list[dict[str, Any]] | None = None,
+    nodes: dict[str, Any] | None = None,
+    dp: int = 2,
+) -> RunSpec:
+    """The tiny recipe cut to seconds per run: 4 layers, dim 64, seq 32, two data-parallel ranks."""
+    data = tiny(dp=dp).to_dict()
+    data["model"]["seq_len"] = 32
+    data["train"].update(steps=steps, checkpoint_interval=checkpoint_interval, warmup_steps=2)
+    # Tests wait 2 s for a silent rank instead of production's 10 s.
+    data["nodes"].update({"heartbeat_timeout": 2.0, **(nodes or {})})
+    data["faults"] = faults or []
+    return RunSpec.from_dict(data)
+
+
+def fault_fired_at(run_dir: Path) -> float:
+    """When the (single) injected fault fired, from the marker the rank wrote before firing it."""
+    (marker,) = (run_dir / "faults").glob("*.fired")
+    return float(json.loads(marker.read_text())["time"])

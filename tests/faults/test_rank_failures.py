@@ -1,0 +1,71 @@
+"""A rank that dies, hangs, or dies while a checkpoint is written: the agent resumes the run.
+
+Real agent, real trainer ranks (gloo, two data-parallel ranks), faults injected from the spec.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.faults.harness import Agents, IngestServer, fault_fired_at, training_spec
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_rank_killed_mid_step_resumes_on_the_uninterrupted_loss_curve(
+    agents: Agents, tmp_path: Path, ingest: IngestServer
+) -> None:
+    clean = agents.run(training_spec(), tmp_path / "clean")
+    assert clean.process.returncode == 0, clean.tail()
+
+    faulty = agents.run(
+        training_spec(faults=[{"kind": "kill_rank", "rank": 1, "step": 7}]),
+        tmp_path / "faulty",
+        events_url=ingest.url,
+        run_token=ingest.token,
+    )
+    assert faulty.process.returncode == 0, faulty.tail()
+    failure = faulty.of_kind("rank_failed")[0]
+    assert (failure["rank"], failure["reason"], failure["signal"]) == (1, "killed by signal", "SIGKILL")
+    assert [r["from_step"] for r in faulty.of_kind("restarting")] == [4]
+    assert [r["step"] for r in faulty.of_kind("resumed")] == [4]
+    assert faulty.losses() == clean.losses()
+    assert sorted(faulty.losses()) == list(range(1, 13))
+    assert [e["kind"] for e in faulty.events][-1] == "succeeded"
+    # Every event reached the control plane, once.
+    assert ingest.duplicates == 0
+    assert ingest.held("node-0") == [{k: e[k] for k in ("seq", "kind", "time", "data")} for e in faulty.events]
+
+
+def test_a_stopped_rank_is_declared_hung_within_the_timeout_and_the_run_resumes(agents: Agents, tmp_path: Path) -> None:
+    spec = training_spec(faults=[{"kind": "hang_rank", "rank": 1, "step": 6}])
+    run = agents.run(spec, tmp_path / "run")
+    assert run.process.returncode == 0, run.tail()
+    failure = run.of_kind("rank_failed")[0]
+    assert (failure["rank"], failure["reason"], failure["last_step"]) == (1, "hung", 6)
+    # The contract of the watchdog, not a speed figure: a silent rank is declared hung once its
+    # last beat is older than the timeout, and the check runs every 50 ms.
+    timeout = spec.nodes.heartbeat_timeout
+    assert failure["silent_for"] > timeout
+    assert failure["time"] - fault_fired_at(run.run_dir) <= timeout + 1.0
+    # Its stacks were dumped into its log before it was killed.
+    assert "most recent call first" in (run.run_dir / "logs" / "rank1.log").read_text()
+    assert [r["step"] for r in run.of_kind("resumed")] == [4]
+    assert run.of_kind("finished")[-1]["step"] == 12
+
+
+def test_a_rank_killed_while_committing_a_checkpoint_leaves_the_previous_one_in_use(
+    agents: Agents, tmp_path: Path
+) -> None:
+    run = agents.run(training_spec(faults=[{"kind": "kill_during_checkpoint", "rank": 1, "step": 8}]), tmp_path / "run")
+    assert run.process.returncode == 0, run.tail()
+    kinds = [(e["kind"], e["data"].get("step")) for e in run.events]
+    failed_at = kinds.index(("rank_failed", None))
+    assert ("checkpoint", 8) not in kinds[:failed_at]  # the interrupted save never committed
+    assert [r["from_step"] for r in run.of_kind("restarting")] == [4]
+    assert [r["step"] for r in run.of_kind("resumed")] == [4]
+    assert ("checkpoint", 8) in kinds[failed_at:]  # saved again by the resumed run
+    assert sorted(run.losses()) == list(range(1, 13))
+    assert run.of_kind("finished")[-1]["step"] == 12
