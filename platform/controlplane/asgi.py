@@ -15,11 +15,11 @@ from django.core.asgi import get_asgi_application
 # Django must be set up before the consumers (and the models they import) are loaded.
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter
+from channels.security.websocket import AllowedHostsOriginValidator
 
-from accounts.websocket import TokenOrSessionAuthMiddleware  # noqa: E402
-from controlplane.routing import websocket_urlpatterns  # noqa: E402
+from accounts.websocket import TokenOrSessionAuthMiddleware
+from controlplane.routing import websocket_urlpatterns
 
 application = ProtocolTypeRouter(
     {

@@ -4,7 +4,6 @@ import os
 import sys
 from pathlib import Path
 
-# Workers start from the repo root; the Django project lives in platform/ (a plain folder).
 # The repo root holds training/ and serving/; platform/ holds the Django project and apps.
 for _folder in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1]):
     if str(_folder) not in sys.path:

@@ -39,11 +39,11 @@ class InvalidInput(ValueError):
         self.message = message
 
 
-def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     merged = copy.deepcopy(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -57,7 +57,7 @@ def check_spec(spec: dict[str, Any], recipe: str = "tiny") -> RunSpec:
         raise InvalidInput("spec", "must be an object with sections model, layout, train, nodes, faults")
     base = RECIPES[recipe]().to_dict()
     try:
-        return RunSpec.from_dict(_deep_merge(base, spec))
+        return RunSpec.from_dict(deep_merge(base, spec))
     except SpecError as exc:
         raise InvalidInput(f"spec.{exc.field}", exc.message) from None
 

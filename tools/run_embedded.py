@@ -1,0 +1,90 @@
+"""`make run`: Fathom on one machine with no external service.
+
+Migrates the SQLite database, creates (once) and prints the admin login, then runs the web
+process (daphne: HTTP + websockets), a Celery worker and Celery beat until Ctrl-C. With
+FATHOM_DEMO=1 it also launches the demo training run and, when that succeeds, deploys its
+final checkpoint to a vLLM replica and prints how to chat with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+PORT = int(os.environ.get("FATHOM_PORT", "8000"))
+URL = f"http://127.0.0.1:{PORT}"
+
+
+def manage(*args: str) -> str:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def start(name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    data_dir = Path(env.get("FATHOM_DATA_DIR", REPO / "var"))
+    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log = (data_dir / "logs" / f"{name}.log").open("ab")
+    print(f"  {name:<7} logs to {log.name}")
+    return subprocess.Popen(command, cwd=REPO / "platform", env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for_web(process: subprocess.Popen) -> None:
+    for _ in range(300):
+        if process.poll() is not None:
+            sys.exit(f"the web process exited with {process.returncode}; see its log")
+        try:
+            httpx.get(f"{URL}/login/", timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    sys.exit("the web process did not answer within a minute")
+
+
+def main() -> None:
+    env = dict(os.environ, FATHOM_PUBLIC_URL=URL, PYTHONUNBUFFERED="1")
+    manage("migrate", "--no-input", "-v", "0")
+    login = manage("ensure_login")
+    print("Starting Fathom on the embedded default (SQLite, filesystem broker, in-memory channels):")
+    processes = [
+        start("web", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(PORT), "controlplane.asgi:application"], env),
+        start("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--loglevel=INFO", "--concurrency=2"], env),
+        start("beat", [sys.executable, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO"], env),
+    ]
+    wait_for_web(processes[0])
+    print(f"\nFathom is up at {URL}/\n  {login}\n  API docs: {URL}/api/docs/\nPress Ctrl-C to stop.")
+    if os.environ.get("FATHOM_DEMO") == "1":
+        from tools.demo import run_demo
+
+        run_demo(URL, login)
+
+    def shutdown(*_: object) -> None:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        sys.exit(0)
+
+    signal.signal(signal.SIGINT, shutdown)
+    signal.signal(signal.SIGTERM, shutdown)
+    while True:
+        for process in processes:
+            if process.poll() is not None:
+                print(f"{process.args[2]} exited with {process.returncode}; stopping", file=sys.stderr)
+                shutdown()
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    main()

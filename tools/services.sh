@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Starts PostgreSQL and Redis on 127.0.0.1 when they are not answering (make test-services uses them).
+set -euo pipefail
+
+if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+    echo "starting PostgreSQL" >&2
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start
+    for _ in $(seq 50); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.2; done
+fi
+if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+    echo "starting Redis" >&2
+    mkdir -p /var/lib/redis /var/log/redis
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+        --dir /var/lib/redis --logfile /var/log/redis/ci.log
+    for _ in $(seq 50); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.2; done
+fi
+pg_isready -h 127.0.0.1 -p 5432
+redis-cli -h 127.0.0.1 -p 6379 ping
