@@ -15,6 +15,14 @@ The model follows what Fathom's trainer does (training/model.py, training/parall
   those two tensors per layer do not shrink with tp. The output head gathers full-vocabulary logits.
 * Pipeline stages own contiguous layers, the first stages one extra when uneven; pp rank r runs
   stages r, r+pp, … (interleaved). The first stage holds the embedding, the last the output head.
+* Precision "bf16" is autocast over fp32 parameters: weights, gradients and AdamW's moments stay
+  fp32 (the weights are their own master copy), matmuls and attention run in bf16, and the
+  residual stream and norms stay fp32. Autocast's bf16 copies of the weights are saved for
+  backward, so they live from forward to backward whatever the ZeRO stage.
+* ZeRO 1-3 are FSDP2 (training/parallel/fsdp.py): parameters, gradients and optimizer state are
+  sharded over dp between steps at every stage; 1 and 2 keep each pass's gathered weights until
+  backward (FSDP2 has no optimizer-only mode, so 1 runs as 2), 3 frees them after each block's
+  forward and gathers again for backward. Gathers and reductions move fp32.
 
 Everything here is arithmetic on plain numbers, with no torch at import. Sizes are bytes and
 seconds unless a name says otherwise. The search over layouts is in training/planner.py.
@@ -238,15 +246,20 @@ class Saved:
 
     split: how tensor parallelism divides it — "sequence" (sequence-parallel slice, /tp),
     "heads" (heads or MLP columns, /tp), "gathered" (every tp rank holds it whole).
-    kind: "act" is stored in the compute precision (2 bytes in bf16, 4 in fp32); "fp32" always 4.
+    kind: "act" is a matmul or attention output, in the compute precision (2 bytes under bf16
+    autocast, 4 in fp32); "fp32" is the residual stream, the norms and softmax statistics.
+    with_tp: exists only when tp > 1 (a reduce-scatter's output).
     """
 
     name: str
     split: Split
     kind: Kind
     per_token: float  # elements
+    with_tp: bool = False
 
     def bytes_per_token(self, tp: int, act_bytes: int) -> float:
+        if self.with_tp and tp == 1:
+            return 0.0
         width = 4 if self.kind == "fp32" else act_bytes
         return self.per_token * width / (1 if self.split == "gathered" else tp)
 
@@ -254,56 +267,57 @@ class Saved:
 def layer_saved(s: Shape) -> list[Saved]:
     """What one decoder block saves without recompute; measured on training/model.py with
     saved-tensor hooks (tests/planner). Korthikanti et al. (2022) count the same way for GPT; here
-    the block is RMSNorm + GQA + SwiGLU, attention is fused (no s² score matrix is kept), and
-    RMSNorm upcasts its input to fp32, which it saves along with the normalised tensor.
-    Per token: 8h + 2h·k/a + 4f elements + small fp32 terms, i.e. (7h + 2h·k/a + 4f)/t + 2h under tp.
+    the block is RMSNorm + GQA + SwiGLU, attention is fused (no s² score matrix is kept: the output
+    and its log-sum-exp are), the o_proj input is the attention output itself (same storage), and
+    RMSNorm saves its fp32 input and normalised tensor. Per token, tp = t:
+    (2·4h + 2·4h)/t bytes of norms, 2h·β gathered projection inputs, (2h + 2h·k/a + 4f)·β/t.
     """
     h, f, a = s.h, s.f, s.a
     return [
-        Saved("attention norm input (fp32)", "sequence", "fp32", h),
+        Saved("attention norm input", "sequence", "fp32", h),
         Saved("attention norm 1/rms", "sequence", "fp32", 1),
-        Saved("attention norm normalised", "sequence", "act", h),
+        Saved("attention norm normalised", "sequence", "fp32", h),
         Saved("q/k/v projection input (gathered sequence)", "gathered", "act", h),
         Saved("q after rotary", "heads", "act", h),
         Saved("k and v", "heads", "act", 2 * h * s.kv),
         Saved("attention output = o_proj input", "heads", "act", h),
         Saved("attention log-sum-exp", "heads", "fp32", a),
-        Saved("MLP norm input (fp32)", "sequence", "fp32", h),
+        Saved("MLP norm input", "sequence", "fp32", h),
         Saved("MLP norm 1/rms", "sequence", "fp32", 1),
-        Saved("MLP norm normalised", "sequence", "act", h),
+        Saved("MLP norm normalised", "sequence", "fp32", h),
         Saved("gate/up projection input (gathered sequence)", "gathered", "act", h),
         Saved("gate output, silu(gate), up output, down input", "heads", "act", 4 * f),
     ]
 
 
 def layer_saved_selective(s: Shape) -> list[Saved]:
-    """Selective recompute keeps the outputs of the matmuls and of attention (the expensive ops)
-    and recomputes norms, rotary, SiLU and the product, as torchtitan's op-level policy does.
-    o_proj and down_proj outputs are each tp rank's partial sums, whole before the reduce-scatter."""
+    """Selective recompute (training/parallel/recompute.py) keeps the outputs of matmuls, attention
+    and tensor-parallel reduce-scatters, and recomputes norms, rotary, SiLU and products. o_proj and
+    down_proj outputs are each tp rank's partial sums, whole before their reduce-scatter."""
     h, f, a = s.h, s.f, s.a
     return [
-        Saved("block input", "sequence", "act", h),
+        Saved("block input", "sequence", "fp32", h),
         Saved("q, k, v projection outputs", "heads", "act", h + 2 * h * s.kv),
         Saved("attention output", "heads", "act", h),
         Saved("attention log-sum-exp", "heads", "fp32", a),
-        Saved("o_proj output (partial sum)", "gathered", "act", h),
+        Saved("o_proj and down_proj outputs (partial sums)", "gathered", "act", 2 * h),
+        Saved("their reduce-scatter outputs", "sequence", "act", 2 * h, with_tp=True),
         Saved("gate and up outputs", "heads", "act", 2 * f),
-        Saved("down_proj output (partial sum)", "gathered", "act", h),
     ]
 
 
 def layer_saved_full(s: Shape) -> list[Saved]:
     """Full recompute keeps only each block's input, a sequence slice under tp."""
-    return [Saved("block input", "sequence", "act", s.h)]
+    return [Saved("block input", "sequence", "fp32", s.h)]
 
 
 def output_saved(s: Shape) -> list[Saved]:
     """The last stage's final norm, head input and fp32 log-probabilities of the full vocabulary
     (the head gathers its logits, so they do not shrink with tp)."""
     return [
-        Saved("final norm input (fp32)", "sequence", "fp32", s.h),
+        Saved("final norm input", "sequence", "fp32", s.h),
         Saved("final norm 1/rms", "sequence", "fp32", 1),
-        Saved("final norm normalised", "sequence", "act", s.h),
+        Saved("final norm normalised", "sequence", "fp32", s.h),
         Saved("head input (gathered sequence)", "gathered", "act", s.h),
         Saved("log-probabilities", "gathered", "fp32", s.V),
     ]
@@ -383,13 +397,15 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class Memory:
-    """Bytes on the device that needs most (the first or the last pipeline stage)."""
+    """Bytes one device holds at its peak, by what they are for."""
 
-    weights: float
+    weights: float  # fp32 weights (also the master copy under bf16 autocast), sharded by FSDP
     grads: float
-    optimizer: float  # AdamW's two moments, plus the fp32 master copy under bf16
+    optimizer: float  # AdamW's two fp32 moments
     activations: float  # saved for backward, summed over the micro-batches in flight
-    transient: float  # the peak's working buffers: gathered ZeRO-3 weights, one layer's recompute, logits
+    # Working buffers at the peak: FSDP-gathered weights, autocast's bf16 weight copies, one block
+    # being recomputed, the logits while the loss runs.
+    transient: float
     reserved: float  # runtime context, communicator buffers, fragmentation
 
     @property
@@ -419,7 +435,8 @@ class Traffic:
 @dataclass(frozen=True, kw_only=True)
 class Estimate:
     candidate: Candidate
-    memory: Memory
+    memory: Memory  # the pipeline rank that needs most
+    stage_memory: dict[str, Memory]  # "first" and "last" pipeline rank (the same rank without PP)
     dp: Traffic
     tp: Traffic
     pp: Traffic
@@ -439,6 +456,8 @@ class Estimate:
         out = dataclasses.asdict(self)
         out["label"] = self.label
         out["memory"]["total"] = self.memory.total
+        for name, mem in self.stage_memory.items():
+            out["stage_memory"][name]["total"] = mem.total
         return out
 
 
@@ -488,21 +507,33 @@ def rank_shares(s: Shape, pp: int, stages_per_rank: int) -> dict[str, RankShare]
     return {"first": first, "last": last}
 
 
-def state_bytes(params: float, dp: int, zero: int, precision: Precision) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes for `params` parameters under a ZeRO stage.
+# Every parameter stays fp32 in Fathom's trainer (bf16 is autocast), so each costs 4 bytes of
+# weight, 4 of gradient and 8 of AdamW moments; the weight is its own fp32 master copy.
+WEIGHT_BYTES, GRAD_BYTES, MOMENT_BYTES = 4.0, 4.0, 8.0
+RESIDUAL_BYTES = 4  # the residual stream (and what is gathered or sent of it) stays fp32 under autocast
 
-    bf16 mixed precision: bf16 weights (2 B), fp32 gradients (4 B, reduced in fp32), AdamW keeps an
-    fp32 master copy and two fp32 moments (12 B): 18 B per parameter, as Megatron's distributed
-    optimizer counts. fp32: 4 + 4 + 8 = 16 B. ZeRO-1 shards the optimizer over dp, ZeRO-2 the
-    gradients too, ZeRO-3 (FSDP) the weights too (Rajbhandari et al., 2020)."""
-    w, g = (2.0, 4.0) if precision == "bf16" else (4.0, 4.0)
-    opt = 12.0 if precision == "bf16" else 8.0
-    n = float(dp)
-    return (
-        params * w / (n if zero >= 3 else 1),
-        params * g / (n if zero >= 2 else 1),
-        params * opt / (n if zero >= 1 else 1),
-    )
+
+def state_bytes(params: float, dp: int, zero: int) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes held between steps for `params` parameters.
+
+    16 bytes per parameter replicated (zero 0); FSDP2 shards all three over dp at zero 1-3."""
+    n = float(dp) if zero >= 1 else 1.0
+    return params * WEIGHT_BYTES / n, params * GRAD_BYTES / n, params * MOMENT_BYTES / n
+
+
+def working_weights(params: float, unit: float, pp: int, zero: int, precision: Precision) -> float:
+    """Weight copies alive at the peak, beyond the at-rest shards.
+
+    zero 1/2 keep the whole gathered fp32 stage from forward to backward; zero 3 holds the block
+    running and the one prefetched, plus the unsharded gradient of one; under a pipeline, FSDP does
+    not reshard after backward until the last micro-batch, so the whole stage is gathered again.
+    bf16 autocast's copies of every weight the rank computes with are saved for backward."""
+    gathered = 0.0
+    if zero in (1, 2) or (zero == 3 and pp > 1):
+        gathered = params * WEIGHT_BYTES
+    elif zero == 3:
+        gathered = unit * (2 * WEIGHT_BYTES + GRAD_BYTES)
+    return gathered + (params * 2.0 if precision == "bf16" else 0.0)
 
 
 def estimate(
@@ -522,114 +553,75 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
     dev = cluster.device
     tp, pp, dp, v = lay.tp, lay.pp, lay.dp, lay.stages_per_rank
     act_b = 2 if lay.precision == "bf16" else 4
-    w_b = 2.0 if lay.precision == "bf16" else 4.0
     b = cand.micro_batch
     tokens_mb = b * s.s  # tokens per micro-batch
     n_mb = spec.train.global_batch // dp // b  # micro-batches per step on one replica
     m_pipe = lay.microbatches  # micro-batches per pipeline flush (= n_mb when pp > 1)
     shares = rank_shares(s, pp, v)
 
-    # Activations saved per layer and per micro-batch.
     layer_act = tokens_mb * saved_per_token(layer_saved_for(lay.recompute, s), tp, act_b)
     layer_act_none = tokens_mb * saved_per_token(layer_saved(s), tp, act_b)
     out_act = tokens_mb * saved_per_token(output_saved(s), tp, act_b)
-    recompute_working = 0.0 if lay.recompute == "none" else layer_act_none  # one block rebuilt in backward
+    layer_params = s.layer_matmul_params() / tp + s.layer_norm_params()
+    emb_params = s.V * s.h / tp
 
     def in_flight(rank: int) -> float:
-        """Micro-batches (in whole-rank units) whose activations rank `rank` holds at its peak."""
+        """Micro-batches (in whole-rank units) whose activations pp rank `rank` holds at its peak."""
         if pp == 1:
             return 1.0
         if lay.schedule == "gpipe":
             return float(m_pipe)
         if lay.schedule == "interleaved_1f1b":
             # Warm-up of the interleaved schedule: (v-1)·pp + 2·(pp-1-r) chunk forwards, plus the one
-            # in progress; a chunk is 1/v of the rank's layers. Rank 0: 1 + (pp-1)/(pp·v) ranks' worth
-            # of a micro-batch per layer, as Korthikanti et al. give.
-            chunks = min(m_pipe * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
-            return chunks / v
+            # in progress; a chunk is 1/v of the rank's layers. Rank 0 holds 1 + (pp-1)/(pp·v) ranks'
+            # worth of a micro-batch per layer, as Korthikanti et al. give.
+            return min(m_pipe * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v
         return float(min(m_pipe, pp - rank))
 
-    matmul_params = s.layer_matmul_params() / tp
-    layer_params = matmul_params + s.layer_norm_params()
-    emb_params = s.V * s.h / tp
-
-    memories: list[Memory] = []
+    stage_memory: dict[str, Memory] = {}
     for name, share in shares.items():
         rank = 0 if name == "first" else pp - 1
-        params = (
-            share.layers * layer_params
-            + (emb_params if share.embedding else 0)
-            + (emb_params + s.h if share.head else 0)
-        )
-        weights, grads, optimizer = state_bytes(params, dp, lay.zero, lay.precision)
+        params = stage_params(s, share, tp)
+        weights, grads, optimizer = state_bytes(params, dp, lay.zero)
         act = in_flight(rank) * share.layers * layer_act
         if share.embedding:
             act += in_flight(rank) * tokens_mb * TOKEN_IDS_BYTES
-        transient = recompute_working
+        # One block is rebuilt at a time in backward under recompute.
+        transient = 0.0 if lay.recompute == "none" else layer_act_none
+        transient += working_weights(params, max(layer_params, emb_params), pp, lay.zero, lay.precision)
         if share.head:
             # gpipe keeps every micro-batch's log-probabilities; 1F1B runs each loss's backward at once.
             act += (m_pipe if (pp > 1 and lay.schedule == "gpipe") else 1) * out_act
-            # While the loss runs: logits in compute precision and their fp32 copy.
+            # While the loss runs: the logits and their fp32 copy.
             transient += tokens_mb * s.V * (act_b + 4)
-        if lay.zero == 3:
-            # FSDP gathers one block (and prefetches the next) in compute precision, and holds its
-            # unsharded gradient; across a pipeline the stage stays gathered for the whole step.
-            unit = max(layer_params, emb_params)
-            transient += (params * w_b + unit * 4) if pp > 1 else unit * (2 * w_b + 4)
-        memories.append(
-            Memory(
-                weights=weights,
-                grads=grads,
-                optimizer=optimizer,
-                activations=act,
-                transient=transient,
-                reserved=dev.reserved_gib * GiB,
-            )
+        stage_memory[name] = Memory(
+            weights=weights,
+            grads=grads,
+            optimizer=optimizer,
+            activations=act,
+            transient=transient,
+            reserved=dev.reserved_gib * GiB,
         )
-    memory = max(memories, key=lambda mem: mem.total)
+    memory = max(stage_memory.values(), key=lambda mem: mem.total)
 
     # Compute: hardware FLOPs of the busiest rank per micro-batch (forward + backward, plus the
-    # forward again for recomputed blocks), at the sustained matmul rate.
-    attn_flops = 12.0 * s.h * s.s  # per token per layer, forward + backward
-    layer_flops = 6.0 * s.layer_matmul_params() + attn_flops
+    # forward again for fully recomputed blocks), at the sustained matmul rate.
+    layer_flops = 6.0 * s.layer_matmul_params() + 12.0 * s.h * s.s  # per token
     if lay.recompute == "full":
         layer_flops += layer_flops / 3
     rate = dev.peak_flops(lay.precision) * dev.matmul_efficiency
-    head_flops = 6.0 * s.V * s.h
-
-    def rank_mb_flops(share: RankShare) -> float:
-        return tokens_mb * (share.layers * layer_flops + (head_flops if share.head else 0)) / tp
-
-    mb_flops = max(rank_mb_flops(sh) for sh in shares.values())
+    mb_flops = max(
+        tokens_mb * (sh.layers * layer_flops + (6.0 * s.V * s.h if sh.head else 0)) / tp for sh in shares.values()
+    )
     mb_compute = mb_flops / rate
 
-    # Tensor parallel: per layer and micro-batch, forward all-gathers the sequence twice and
-    # reduce-scatters twice; backward does the conjugates. Recompute replays the forward's gathers
-    # (selective) or all four (full). Embedding and head add a reduce-scatter/all-gather pair each,
-    # and the head all-gathers the vocabulary-split logits.
-    hidden = tokens_mb * s.h * act_b  # one micro-batch of hidden states, whole sequence
-    per_layer_colls = 8 + {"none": 0, "selective": 2, "full": 4}[lay.recompute]
-    tp_bw, tp_lat = cluster.link(tp)
-    busiest = max(shares.values(), key=lambda sh: sh.layers)
-    head_share = shares["last"]
-    tp_bytes_mb = ring(tp) * hidden * (per_layer_colls * busiest.layers + 2 + 2) if tp > 1 else 0.0
-    if tp > 1 and head_share.head:
-        tp_bytes_mb += ring(tp) * tokens_mb * s.V * act_b
-    tp_colls_mb = (per_layer_colls * busiest.layers + 5) if tp > 1 else 0
-    tp_mb_seconds = tp_bytes_mb / tp_bw + tp_colls_mb * tp_lat
-    tp_traffic = Traffic(
-        bytes=n_mb * tp_bytes_mb,
-        seconds=n_mb * tp_mb_seconds,
-        exposed_seconds=n_mb * tp_mb_seconds,
-        collectives=[f"{per_layer_colls} all-gather/reduce-scatter per layer per micro-batch"] if tp > 1 else [],
-    )
+    tp_traffic, tp_mb_seconds = _tp_traffic(cluster, s, shares, lay.recompute, tp, tokens_mb, act_b, n_mb)
 
-    # Pipeline: each chunk sends its output forward and its input gradient back, a sequence slice
-    # under tp. Sends sit on the critical path (one hop per micro-batch and direction).
+    # Pipeline: each chunk sends its output forward and its input gradient back, the fp32 residual
+    # stream's sequence slice under tp. Each send sits on the critical path once per micro-batch.
     pp_bw, pp_lat = cluster.link(tp * dp * pp)
-    hop_bytes = hidden / tp
-    hop_seconds = hop_bytes / pp_bw + pp_lat
-    pp_mb_seconds = 2 * v * hop_seconds if pp > 1 else 0.0
+    hop_bytes = tokens_mb * s.h * RESIDUAL_BYTES / tp
+    pp_mb_seconds = 2 * v * (hop_bytes / pp_bw + pp_lat) if pp > 1 else 0.0
     pp_traffic = Traffic(
         bytes=n_mb * 2 * v * hop_bytes if pp > 1 else 0.0,
         seconds=n_mb * pp_mb_seconds,
@@ -639,16 +631,15 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
 
     mb_seconds = mb_compute + tp_mb_seconds + pp_mb_seconds
     bubble = (pp - 1) / (m_pipe * v) if pp > 1 else 0.0
-    pipeline_seconds = n_mb * mb_seconds * (1 + bubble)
-
-    dp_traffic = _dp_traffic(spec, cluster, shares, layer_params, emb_params, n_mb, mb_compute)
-    step = pipeline_seconds + dp_traffic.exposed_seconds
+    dp_traffic = _dp_traffic(lay, cluster, max(stage_params(s, sh, tp) for sh in shares.values()), n_mb, mb_compute)
+    step = n_mb * mb_seconds * (1 + bubble) + dp_traffic.exposed_seconds
     tokens = spec.train.global_batch * s.s
     mfu = model_flops_per_token(m) * tokens / (step * cluster.world_size * dev.peak_flops(lay.precision))
     capacity = dev.memory_gib * GiB
     return Estimate(
         candidate=cand,
         memory=memory,
+        stage_memory=stage_memory,
         dp=dp_traffic,
         tp=tp_traffic,
         pp=pp_traffic,
@@ -662,33 +653,73 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
     )
 
 
-def _dp_traffic(
-    spec: RunSpec,
-    cluster: Cluster,
-    shares: Mapping[str, RankShare],
-    layer_params: float,
-    emb_params: float,
-    n_mb: int,
-    mb_compute: float,
-) -> Traffic:
-    """Data-parallel traffic of the rank with most parameters, and what of it compute hides.
+def stage_params(s: Shape, share: RankShare, tp: int) -> float:
+    """Parameters one tp rank of a pipeline rank holds (before FSDP sharding)."""
+    layer = s.layer_matmul_params() / tp + s.layer_norm_params()
+    emb = s.V * s.h / tp
+    return share.layers * layer + (emb if share.embedding else 0) + (emb + s.h if share.head else 0)
 
-    ZeRO-0 all-reduces gradients once per step (each rank sends 2·(n-1)/n of them); ZeRO-1/2
-    reduce-scatter gradients and all-gather the updated weights (the same volume); ZeRO-3 gathers
-    weights before every forward and again for backward on each accumulation pass, or once per step
-    when a pipeline keeps its stage gathered. Gradients travel in fp32. Their reduction overlaps the
-    last micro-batch's backward when `overlap_grad_reduce` is on; ZeRO-3's gathers are prefetched
-    under the compute of their pass; ZeRO-1/2's gather after the optimizer step is exposed."""
-    lay = spec.layout
+
+def _tp_traffic(
+    cluster: Cluster,
+    s: Shape,
+    shares: Mapping[str, RankShare],
+    recompute: Recompute,
+    tp: int,
+    tokens_mb: int,
+    act_b: int,
+    n_mb: int,
+) -> tuple[Traffic, float]:
+    """Tensor-parallel traffic per step of the busiest rank, and its seconds per micro-batch.
+
+    Per block and micro-batch, forward all-gathers the fp32 sequence slices twice (attention and MLP
+    inputs) and reduce-scatters the matmul outputs twice; backward reduce-scatters the gathered
+    inputs' fp32 gradients and all-gathers the outputs' gradients. Recompute replays the forward's
+    gathers (selective: the reduce-scatter outputs are kept) or all four (full). The embedding and
+    the head add a reduce-scatter/all-gather pair each, and the head all-gathers its logits."""
+    if tp == 1:
+        return Traffic.none(), 0.0
+    hidden = float(tokens_mb * s.h)  # elements of one micro-batch's hidden states, whole sequence
+    per_layer = hidden * (4 * RESIDUAL_BYTES + 4 * act_b)
+    colls = 8
+    if recompute == "selective":
+        per_layer += hidden * 2 * RESIDUAL_BYTES
+        colls += 2
+    elif recompute == "full":
+        per_layer += hidden * (2 * RESIDUAL_BYTES + 2 * act_b)
+        colls += 4
+    busiest = max(shares.values(), key=lambda sh: sh.layers + (1 if sh.head else 0))
+    ends = int(busiest.embedding) + int(busiest.head)
+    mb_bytes = ring(tp) * (
+        per_layer * busiest.layers
+        + ends * 2 * hidden * RESIDUAL_BYTES
+        + (tokens_mb * s.V * act_b if busiest.head else 0)
+    )
+    n_colls = colls * busiest.layers + 2 * ends + int(busiest.head)
+    bw, lat = cluster.link(tp)
+    mb_seconds = mb_bytes / bw + n_colls * lat
+    traffic = Traffic(
+        bytes=n_mb * mb_bytes,
+        seconds=n_mb * mb_seconds,
+        exposed_seconds=n_mb * mb_seconds,  # on the critical path: the next matmul waits for it
+        collectives=[f"{colls} all-gather/reduce-scatter per block per micro-batch"],
+    )
+    return traffic, mb_seconds
+
+
+def _dp_traffic(lay: LayoutConfig, cluster: Cluster, params: float, n_mb: int, mb_compute: float) -> Traffic:
+    """Data-parallel traffic of the rank with most parameters, and what of it compute does not hide.
+
+    zero 0 all-reduces fp32 gradients once per step (each rank sends 2·(n-1)/n of them), overlapped
+    with the last micro-batch's backward when `overlap_grad_reduce` is on. FSDP (zero 1-3)
+    reduce-scatters gradients once per step, likewise overlapped, and all-gathers fp32 weights: once
+    per accumulation pass (zero 1/2; once per step under a pipeline, whose stage stays gathered) or
+    twice per micro-batch (zero 3: forward, then again for backward). Gathers are prefetched block
+    by block, so they hide under their pass's compute when the link keeps up."""
     dp = lay.dp
     if dp == 1:
         return Traffic.none()
-    params = max(
-        sh.layers * layer_params + (emb_params if sh.embedding else 0) + (emb_params if sh.head else 0)
-        for sh in shares.values()
-    )
-    grad_bytes = params * 4.0
-    weight_bytes = params * (2.0 if lay.precision == "bf16" else 4.0)
+    grad_bytes, weight_bytes = params * GRAD_BYTES, params * WEIGHT_BYTES
     bw, lat = cluster.link(lay.tp * dp)
     backward_window = mb_compute * 2 / 3 if lay.overlap_grad_reduce else 0.0
     if lay.zero == 0:
@@ -701,16 +732,14 @@ def _dp_traffic(
         )
     reduce_s = ring(dp) * grad_bytes / bw + lat
     gather_s = ring(dp) * weight_bytes / bw + lat
-    exposed = max(0.0, reduce_s - backward_window)
-    if lay.zero < 3:
-        gathers = 1
-        exposed += gather_s
+    if lay.zero == 3:
+        gathers, per_pass = 2 * n_mb, 2
     elif lay.pp > 1:
-        gathers = 1
-        exposed += max(0.0, gather_s - mb_compute / 3)  # hidden under the first forward
+        gathers, per_pass = 1, 1
     else:
-        gathers = 2 * n_mb  # forward and backward of every accumulation pass
-        exposed += n_mb * max(0.0, 2 * gather_s - mb_compute)
+        gathers, per_pass = n_mb, 1
+    passes = gathers // per_pass
+    exposed = max(0.0, reduce_s - backward_window) + passes * max(0.0, per_pass * gather_s - mb_compute)
     return Traffic(
         bytes=ring(dp) * (grad_bytes + gathers * weight_bytes),
         seconds=reduce_s + gathers * gather_s,

@@ -42,6 +42,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# Fathom's trainer runs zero=1 as zero=2 (FSDP2 has no optimizer-only sharding; parallel/fsdp.py),
+# so searching both would list every such layout twice.
+ZERO_STAGES = (0, 2, 3)
+
+
 def candidates(model: ModelConfig, cluster: Cluster, global_batch: int) -> Iterator[Candidate]:
     """Every layout of the world size. ZeRO > 0 without dp and micro-batch sizes that do not divide
     the local batch are not layouts at all and are skipped rather than reported."""
@@ -55,7 +60,7 @@ def candidates(model: ModelConfig, cluster: Cluster, global_batch: int) -> Itera
                 schedules += [
                     ("interleaved_1f1b", v) for v in range(2, MAX_STAGES_PER_RANK + 1) if model.n_layers % (pp * v) == 0
                 ]
-            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+            for zero in ZERO_STAGES if dp > 1 else (0,):
                 for recompute in ("none", "selective", "full"):
                     for mb in MICRO_BATCHES if local else (1,):
                         if local and local % mb:
