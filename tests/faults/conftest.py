@@ -19,14 +19,6 @@ def agents(tmp_path: Path) -> Iterator[Agents]:
 
 
 @pytest.fixture
-def fake_agents(tmp_path: Path) -> Iterator[Agents]:
-    """Agents whose ranks run the stand-in rank (seconds per run): for the agent's own mechanics."""
-    agents = Agents(tmp_path=tmp_path, entrypoint="tests.faults.fake_rank")
-    yield agents
-    agents.cleanup()
-
-
-@pytest.fixture
 def ingest() -> Iterator[IngestServer]:
     server = IngestServer(token="run-token-123")
     server.start()

@@ -1,0 +1,42 @@
+"""The agent's own outcomes: cancelled by SIGTERM, failed after its restart budget, crash loops back off."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.harness import Agents, training_spec, wait_for
+from training.agent import ExitCode, latest_committed_step
+from training.heartbeat import read_beat
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_cancels_the_run_stops_its_ranks_and_keeps_the_last_checkpoint(agents: Agents, tmp_path: Path) -> None:
+    run = agents.start(training_spec(steps=400, checkpoint_interval=4), tmp_path / "run")
+    wait_for(lambda: bool(run.of_kind("checkpoint")), 120, "the first checkpoint")
+    run.process.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == ExitCode.CANCELLED, run.tail()
+
+    final = run.events[-1]
+    assert final["kind"] == "cancelled"
+    assert final["data"]["step"] == latest_committed_step(run.run_dir) >= 4
+    beats = sorted((run.run_dir / "node0" / "heartbeat").glob("rank*.json"))
+    before = [read_beat(b) for b in beats]
+    time.sleep(0.5)
+    assert [read_beat(b) for b in beats] == before  # no rank is left beating
+
+
+def test_a_rank_that_keeps_failing_fails_the_run_after_the_restart_budget(agents: Agents, tmp_path: Path) -> None:
+    spec = training_spec(nodes={"max_restarts": 2}, faults=[{"kind": "kill_rank", "rank": 0, "step": 1, "once": False}])
+    run = agents.run(spec, tmp_path / "run")
+    assert run.process.returncode == ExitCode.FAILED, run.tail()
+    assert [f["reason"] for f in run.of_kind("rank_failed") if f["rank"] == 0] == ["killed by signal"] * 3
+    # It never got past step 1, so each retry waits longer: 1 s, then 2 s.
+    assert [r["backoff"] for r in run.of_kind("restarting")] == [1.0, 2.0]
+    final = run.events[-1]
+    assert final["kind"] == "failed"
+    assert "rank 0 killed by signal" in final["data"]["reason"]
