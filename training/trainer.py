@@ -79,7 +79,10 @@ class Trainer:
 
         torch.manual_seed(spec.train.seed)  # the same full model on every rank and in the reference
         full = Transformer(spec.model)
-        self.loss_scale = 1.0 / spec.train.grad_accum
+        # Each backward pass sees its loss divided by the passes of a step (accumulation × pipeline
+        # micro-batches), so the accumulated gradient is that of the step's mean loss.
+        passes = spec.train.grad_accum * (spec.layout.microbatches if self.dims.pp > 1 else 1)
+        self.loss_scale = 1.0 / passes
         self.model: ParallelModel = parallelize(
             full, spec, self.dims, self.mesh, rank, partial(_micro_batch_loss, scale=self.loss_scale)
         )
@@ -113,8 +116,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, last_pass: bool) -> torch.Tensor:
-        """One accumulation pass over (inputs, targets); returns this pass's share of the step's loss
-        (its mean loss / grad_accum) on ranks that hold the last stage, zero on the others."""
+        """One accumulation pass over (inputs, targets); returns this pass's share of the step's mean
+        loss on ranks that hold the last stage, zero on the others."""
         m = self.model
         if m.schedule is None:
             for part in m.parts:
@@ -134,7 +137,7 @@ class Trainer:
                 m.schedule.step()
         if not m.has_last_stage:
             return torch.zeros(())
-        return torch.stack(losses).mean().detach()
+        return torch.stack(losses).sum().detach()  # each already scaled by loss_scale
 
     def train_step(self, step: int) -> dict[str, Any]:
         for hook in self.hooks:

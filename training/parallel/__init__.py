@@ -54,7 +54,8 @@ def parallelize(
 ) -> ParallelModel:
     """This rank's share of `full`, parallelized in the order of the module docstring.
 
-    `loss_fn(logits, targets)` is what a pipeline schedule applies to each micro-batch on the last stage.
+    `loss_fn(logits, targets)` is what a pipeline schedule applies to each micro-batch on the last
+    stage; it must already divide by the number of micro-batches (the schedule does not scale).
     """
     coords = dims.coordinates(rank)
     lay = spec.layout

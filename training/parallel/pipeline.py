@@ -9,8 +9,9 @@ Schedules come from `torch.distributed.pipelining`: GPipe (all forwards, then al
 1F1B (one forward, one backward in steady state: at most `pp` micro-batches of activations alive)
 and interleaved 1F1B (several non-adjacent stages per rank, stage s on pp rank s mod pp, which
 shrinks the bubble). The schedule splits each batch into micro-batches along dim 0, applies the
-loss on the last stage, and scales gradients by 1/micro-batches, so a step's gradient is the
-gradient of the mean loss, as without a pipeline.
+loss on the last stage. The loss function itself carries the 1/micro-batches factor (the
+schedules' own `scale_grads` is off): scaling grads after backward would happen after the
+zero=0 gradient all-reduce has already read them.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def build_schedule(
         for part, stage_id in zip(parts, stage_ids, strict=True)
     ]
     if schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     if len(stages) != 1:
         raise ValueError(f"the {schedule} schedule runs one stage per rank; got {len(stages)}")
     single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    return single(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return single(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)

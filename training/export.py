@@ -1,0 +1,121 @@
+"""A committed checkpoint → a Hugging Face `LlamaForCausalLM` folder that vLLM serves.
+
+    python -m training.export RUN_DIR/checkpoints/step_00000050 OUT_DIR [--dtype bfloat16]
+
+Runs in one process (no torchrun): DCP reads the model's tensors from every shard into a whole
+model, whatever layout wrote them. Fathom's parameter names are HF's minus the `model.` prefix
+and its rotary layout is HF's, so the weights are renamed, never permuted. Writes config.json,
+generation_config.json, model.safetensors and the tokenizer files saved with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+from training.checkpoint import COMMITTED, latest_checkpoint
+from training.config import ModelConfig, RunSpec
+from training.data import END_OF_TEXT, IM_END, copy_tokenizer, special_token_ids
+from training.model import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def hf_name(name: str) -> str:
+    """Fathom's parameter name → LlamaForCausalLM's."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def load_model(checkpoint: Path) -> tuple[RunSpec, Transformer]:
+    """The whole fp32 model stored in a committed checkpoint, in this process."""
+    if not (checkpoint / COMMITTED).is_file():
+        raise ValueError(f"{checkpoint} is not a committed checkpoint (no {COMMITTED} marker)")
+    spec = RunSpec.from_json((checkpoint / "spec.json").read_text())
+    model = Transformer(spec.model)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # fills the tensors in place
+    model.load_state_dict(state["model"])
+    return spec, model.eval()
+
+
+def hf_config(cfg: ModelConfig, dtype: str, special: dict[str, int]) -> dict[str, Any]:
+    eos = special[END_OF_TEXT]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers ≥ 5 reads rope_parameters and dtype; older readers (and some of vLLM's
+        # paths) read rope_theta and torch_dtype. Both spellings say the same thing.
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
+        "use_cache": True,
+    }
+
+
+def export(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> Path:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    spec, model = load_model(checkpoint)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    copy_tokenizer(checkpoint / "tokenizer", out_dir)
+    special = special_token_ids(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(hf_config(spec.model, dtype, special), indent=2) + "\n")
+    generation = {
+        "bos_token_id": special[END_OF_TEXT],
+        # A chat turn ends with <|im_end|>, a document with <|endoftext|>: stop on either.
+        "eos_token_id": [special[END_OF_TEXT], special[IM_END]],
+        "pad_token_id": special[END_OF_TEXT],
+        "max_length": spec.model.seq_len,
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path, help="a committed checkpoint folder, or a run folder (its newest)")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    args = parser.parse_args(argv)
+    checkpoint = args.checkpoint
+    if not (checkpoint / COMMITTED).is_file():
+        newest = latest_checkpoint(checkpoint)
+        if newest is None:
+            raise SystemExit(f"{checkpoint} is neither a committed checkpoint nor a run folder with one")
+        checkpoint = newest
+    print(export(checkpoint, args.out_dir, args.dtype))
+
+
+if __name__ == "__main__":
+    main()
