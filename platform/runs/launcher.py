@@ -7,6 +7,7 @@ worker killed after it claimed the run) can never start a second agent for the s
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import signal
@@ -63,6 +64,22 @@ def start_agents(run: Run, folder: Path, token: str) -> list[int]:
         log.close()
         pids.append(process.pid)
     return pids
+
+
+def agents_alive(run: Run) -> bool:
+    """Whether any of the run's node agents on this host still runs: it holds its lock file.
+
+    The lock, not a recorded pid, is the truth: a worker killed between starting an agent and
+    saving its pid leaves no pid behind, but the agent still holds its lock.
+    """
+    for lock in run.folder.glob("agent-node*.lock"):
+        with lock.open("a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+    return False
 
 
 def is_alive(pid: int) -> bool:

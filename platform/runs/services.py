@@ -170,6 +170,12 @@ def _enqueue_launch(run_id: int) -> None:
     launch_run.delay(run_id)
 
 
+def _enqueue_export(checkpoint_id: int) -> None:
+    from runs.tasks import export_checkpoint
+
+    export_checkpoint.delay(checkpoint_id)
+
+
 def do_cancel_run(run: Run) -> Run:
     """Asks the run to stop. A queued run stops at once; a live one when its agent says so."""
     if not run.is_active:
@@ -273,6 +279,12 @@ def _record(run: Run, kind: str, data: dict[str, Any]) -> RunEvent:
     return event
 
 
+def do_record_event(run: Run, kind: str, data: dict[str, Any]) -> RunEvent:
+    """Records an event of the control plane (an export, say) in the run's history."""
+    with transaction.atomic():
+        return _record(run, kind, data)
+
+
 def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int:
     """Stores an agent's batch (duplicates ignored), applies it to the run, publishes after commit.
 
@@ -330,6 +342,11 @@ def _apply(run: Run, events: list[RunEvent]) -> None:
     if restarts:
         changes["restarts"] = F("restarts") + restarts
     Run.objects.filter(pk=run.pk).update(**changes)
+    if status == Run.Status.SUCCEEDED:
+        # The final checkpoint is exported to Hugging Face format as soon as the run succeeds.
+        final = Checkpoint.objects.filter(run=run).order_by("-step").first()
+        if final is not None:
+            transaction.on_commit(lambda: _enqueue_export(final.pk))
     if status is not None:
         now = timezone.now()
         extra: dict[str, Any] = {"finished_at": now} if status in Run.FINISHED else {}

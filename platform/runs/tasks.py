@@ -10,8 +10,8 @@ from django.conf import settings
 from django.db.models import F
 from django.utils import timezone
 
-from runs import launcher, services
-from runs.models import Run
+from runs import exports, launcher, services
+from runs.models import Checkpoint, Run
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,11 @@ def launch_run(run_id: int) -> str:
     )
     run = Run.objects.get(pk=run_id)
     if not claimed:
-        # Redelivered after a worker died mid-launch: finish that launch unless agents run.
-        if run.status != Run.Status.STARTING or any(launcher.is_alive(p) for p in run.agent_pids):
+        # Redelivered (or re-sent by reconcile) after a worker died mid-launch: finish that
+        # launch unless an agent runs. Agents take a per-node lock, so a race starts none twice.
+        if run.status != Run.Status.STARTING or launcher.agents_alive(run):
             return f"run {run_id} is {run.status}; nothing to do"
+        Run.objects.filter(pk=run_id).update(launch_attempts=F("launch_attempts") + 1, last_report_at=timezone.now())
     folder, token = launcher.prepare(run)
     Run.objects.filter(pk=run_id).update(token_hash=services.hash_token(token))
     pids = launcher.start_agents(run, folder, token)
@@ -35,19 +37,30 @@ def launch_run(run_id: int) -> str:
     return f"run {run_id} started agents {pids}"
 
 
+# A launch that has not started an agent this long after its claim is sent again: its worker
+# died (a broker without redelivery, such as the filesystem one, would otherwise lose it).
+LAUNCH_GRACE = timedelta(seconds=20)
+
+
 @shared_task
 def reconcile_runs() -> int:
-    """Fails runs whose agents died or went silent; returns how many it failed."""
+    """Re-sends lost launches; fails runs whose agents died or went silent. Returns failures."""
+    now = timezone.now()
     silence = timedelta(seconds=settings.AGENT_SILENCE_TIMEOUT_SECONDS)
+    for run in Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False, created_at__lt=now - LAUNCH_GRACE):
+        launch_run.delay(run.pk)
     failed = 0
     for run in Run.objects.filter(status__in=[Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING]):
-        agents_alive = any(launcher.is_alive(pid) for pid in run.agent_pids)
-        silent = run.last_report_at is None or timezone.now() - run.last_report_at > silence
-        if agents_alive and not silent:
+        alive = launcher.agents_alive(run)
+        quiet_for = now - (run.last_report_at or run.created_at)
+        if run.status == Run.Status.STARTING and not alive and quiet_for > LAUNCH_GRACE and run.launch_attempts < 3:
+            launch_run.delay(run.pk)
             continue
-        if not agents_alive and run.agent_pids:
+        if alive and quiet_for <= silence:
+            continue
+        if not alive and run.status != Run.Status.STARTING:
             reason = "every node agent exited without reporting an outcome"
-        elif silent:
+        elif quiet_for > silence:
             reason = f"no report from the node agents for {int(silence.total_seconds())} s"
         else:
             continue
@@ -55,3 +68,16 @@ def reconcile_runs() -> int:
             launcher.request_cancel(run)  # stop whatever is left, so no orphan keeps training
             failed += 1
     return failed
+
+
+@shared_task
+def export_checkpoint(checkpoint_id: int) -> str:
+    """Exports a checkpoint to Hugging Face format and records it in the run's history."""
+    checkpoint = Checkpoint.objects.select_related("run").get(pk=checkpoint_id)
+    try:
+        path = exports.export(checkpoint)
+    except exports.ExportFailed as exc:
+        services.do_record_event(checkpoint.run, "export_failed", {"step": checkpoint.step, "reason": str(exc)})
+        raise
+    services.do_record_event(checkpoint.run, "exported", {"step": checkpoint.step, "path": str(path)})
+    return str(path)

@@ -28,7 +28,7 @@ def test_the_django_process_sees_the_standard_library_platform_too():
         [sys.executable, "manage.py", "shell", "-c", "import platform, django; print(platform.system(), django.get_version())"],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
     )
-    system, version = out.stdout.split()
+    system, version = out.stdout.splitlines()[-1].split()
     assert system == "Linux"
     assert version.startswith("5.2")
 
