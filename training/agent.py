@@ -48,7 +48,15 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from training.config import RunSpec, SpecError
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
 from training.rankenv import RankEnvironment
-from training.ranks import RankProcess, spawn_rank, stop_ranks
+from training.ranks import (
+    RankProcess,
+    Standby,
+    activate_standby,
+    spawn_rank,
+    spawn_standby,
+    stop_ranks,
+    wait_for_exit,
+)
 from training.report import Reporter, ReporterConfig
 from training.watchdog import Watchdog, WatchdogConfig
 
@@ -73,7 +81,12 @@ class AgentConfig:
     local_addr: str | None  # address other nodes reach this one at; None: the host's FQDN
     run_id: str
     entrypoint: str = "training.train"  # the module every rank runs
-    # How often ranks are polled: bounds how late an exited rank is noticed (target ≤ 0.2 s).
+    # Keep one process per local rank that has already imported the entry point, so a restart
+    # skips the imports (most of a restart on CPU hosts); they are started once the ranks have
+    # finished a step, not while they start up, so they never slow a recovery down.
+    warm_standby: bool = True
+    # How often ranks are checked: bounds how late a hang is noticed past its timeout. Exits wake
+    # the agent at once (pidfd); where pidfds are missing this bounds exit detection too.
     monitor_interval: float = 0.05
     heartbeat_interval: float = 0.1  # how often ranks beat; 100× finer than the default timeout
     # Looking for nodes waiting to join costs a store round trip; once a second is plenty.
@@ -156,6 +169,8 @@ class NodeAgent(SimpleElasticAgent):
         self._from_step = 0  # the checkpoint the current ranks resumed from
         self._failures_without_progress = 0
         self._restarts = 0
+        self._standbys: list[Standby] = []
+        self._standbys_due = False  # replenish once the current ranks have finished a step
 
     # --- SimpleElasticAgent's abstract methods ------------------------------------------
 
@@ -190,7 +205,7 @@ class NodeAgent(SimpleElasticAgent):
         tmp.write_text(spec.to_json())
         os.replace(tmp, spec_path)
         self._from_step = latest_committed_step(self.config.run_dir)
-        command = ["-m", self.config.entrypoint, "--spec", str(spec_path), "--run-dir", str(self.config.run_dir)]
+        argv = ["--spec", str(spec_path), "--run-dir", str(self.config.run_dir)]
         self._ranks = []
         for worker in worker_group.workers:
             rank_env = RankEnvironment(
@@ -202,25 +217,36 @@ class NodeAgent(SimpleElasticAgent):
                 events_file=self.config.node_dir / "events.jsonl",
             )
             env = {
-                **os.environ,
+                **_process_env(),
                 **_torch_worker_env(worker_group, worker.local_rank, self._restarts),
                 **rank_env.to_environ(),
-                # One compute thread per rank unless the operator chose otherwise: ranks share the cores.
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                "PYTHONUNBUFFERED": "1",  # so a rank's log is current when it dies
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
             }
-            self._ranks.append(
-                spawn_rank(
-                    [sys.executable, *command],
-                    env=env,
-                    log=self.config.run_dir / "logs" / f"rank{worker.global_rank}.log",
-                    global_rank=worker.global_rank,
-                    local_rank=worker.local_rank,
-                    heartbeat_file=rank_env.heartbeat_file,
-                )
-            )
+            where = {
+                "env": env,
+                "log": self.config.run_dir / "logs" / f"rank{worker.global_rank}.log",
+                "global_rank": worker.global_rank,
+                "local_rank": worker.local_rank,
+                "heartbeat_file": rank_env.heartbeat_file,
+            }
+            rank = activate_standby(self._standbys.pop(0), argv, **where) if self._standbys else None
+            if rank is None:
+                rank = spawn_rank([sys.executable, "-m", self.config.entrypoint, *argv], **where)
+            self._ranks.append(rank)
+        self._standbys_due = self.config.warm_standby
         return {r.local_rank: r.pid for r in self._ranks}
+
+    def _replenish_standbys(self) -> None:
+        for standby in [s for s in self._standbys if not s.alive()]:
+            self._standbys.remove(standby)
+        while len(self._standbys) < self._worker_group.spec.local_world_size:
+            log = self.config.run_dir / "logs" / f"standby-node{self.config.node_rank}.log"
+            self._standbys.append(spawn_standby(self.config.entrypoint, env=_process_env(), log=log))
+        self._standbys_due = False
+
+    def _discard_standbys(self) -> None:
+        for standby in self._standbys:
+            standby.discard()
+        self._standbys = []
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # Restarts resume from the last committed checkpoint, so nothing in the ranks is worth
@@ -242,11 +268,15 @@ class NodeAgent(SimpleElasticAgent):
         """Runs until the ranks succeed, the restart budget is spent, or the run is cancelled."""
         handler = self._worker_group.spec.rdzv_handler
         try:
+            if self.config.warm_standby:
+                self._replenish_standbys()  # they import while the rendezvous waits for the other nodes
             outcome = self._invoke_run()
         except CancelRequested:
             logger.info("cancel requested: stopping ranks (grace %.0f s)", self.config.cancel_grace)
             stop_ranks(self._ranks, sig=signal.SIGTERM, grace=self.config.cancel_grace)
-            outcome = Outcome(code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(self.config.run_dir)})
+            outcome = Outcome(
+                code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(self.config.run_dir)}
+            )
         except RendezvousError as exc:
             cancelled = (self.config.run_dir / "cancel").exists()
             outcome = Outcome(
@@ -256,6 +286,7 @@ class NodeAgent(SimpleElasticAgent):
             )
         finally:
             stop_ranks(self._ranks, sig=signal.SIGKILL, grace=0.0)
+            self._discard_standbys()
         try:
             # Closing the rendezvous tells the other agents the run is over (they stop waiting).
             handler.shutdown()
@@ -269,13 +300,17 @@ class NodeAgent(SimpleElasticAgent):
         next_membership_check = time.monotonic() + self.config.membership_check_interval
         cancel_file = self.config.run_dir / "cancel"
         while True:
-            time.sleep(self.config.monitor_interval)
+            wait_for_exit(self._ranks, self.config.monitor_interval)
             if cancel_file.exists():
                 raise CancelRequested
             state = self._watchdog.check(self._ranks)
+            if self._standbys_due and not state.failures and self._progressed():
+                self._replenish_standbys()
             if state.succeeded:
                 self._exit_barrier()
-                return Outcome(code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": latest_committed_step(self.config.run_dir)})
+                return Outcome(
+                    code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": latest_committed_step(self.config.run_dir)}
+                )
             if state.failures:
                 # Root causes first: a rank that died or hung takes its peers' collectives down
                 # with it, and they exit with an error in the same instant.
@@ -287,7 +322,9 @@ class NodeAgent(SimpleElasticAgent):
                     return Outcome(
                         code=ExitCode.FAILED,
                         kind="failed",
-                        data={"reason": f"rank {first.rank} {first.reason}; {self.spec.nodes.max_restarts} restarts used"},
+                        data={
+                            "reason": f"rank {first.rank} {first.reason}; {self.spec.nodes.max_restarts} restarts used"
+                        },
                     )
                 self._remaining_restarts -= 1
                 self._restarts += 1
@@ -356,6 +393,17 @@ def _rendezvous_round(worker_spec: WorkerSpec, fallback: int) -> int:
     return round_ if isinstance(round_, int) else fallback
 
 
+def _process_env() -> dict[str, str]:
+    """The environment every rank (and standby) starts with, before it knows which rank it is."""
+    return {
+        **os.environ,
+        # One compute thread per rank unless the operator chose otherwise: ranks share the cores.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONUNBUFFERED": "1",  # so a rank's log is current when it dies
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
 def _torch_worker_env(group: WorkerGroup, local_rank: int, restarts: int) -> dict[str, str]:
     """What torchrun gives a worker (`LocalElasticAgent._start_workers`), so `env://` init works."""
     spec = group.spec
@@ -390,10 +438,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT; default: a free local port (one node)")
     parser.add_argument("--host-store", choices=("auto", "yes", "no"), default="auto", help="auto: node 0 hosts it")
     parser.add_argument("--local-addr", default=None, help="address other nodes reach this one at")
-    parser.add_argument("--run-id", default=None, help="rendezvous id shared by the run's agents; default: run folder name")
+    parser.add_argument(
+        "--run-id", default=None, help="rendezvous id shared by the run's agents; default: run folder name"
+    )
     parser.add_argument("--events-url", default=None)
     parser.add_argument("--run-token", default=None)
     parser.add_argument("--entrypoint", default="training.train", help="module each rank runs with --spec/--run-dir")
+    parser.add_argument("--no-standby", action="store_true", help="start every rank cold (no warm standbys)")
     parser.add_argument("--rdzv-last-call", type=float, default=AgentConfig.rdzv_last_call_timeout)
     parser.add_argument("--rdzv-join-timeout", type=float, default=AgentConfig.rdzv_join_timeout)
     return parser.parse_args(argv)
@@ -416,6 +467,7 @@ def _build(args: argparse.Namespace, spec: RunSpec) -> tuple[AgentConfig, Report
         local_addr=args.local_addr or ("127.0.0.1" if single else None),
         run_id=args.run_id or run_dir.name,
         entrypoint=args.entrypoint,
+        warm_standby=not args.no_standby,
         rdzv_last_call_timeout=args.rdzv_last_call,
         rdzv_join_timeout=args.rdzv_join_timeout,
     )
@@ -500,10 +552,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcome = agent.execute()
     except CancelRequested:  # arrived during the clean-up of another outcome
-        outcome = Outcome(code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(config.run_dir)})
+        outcome = Outcome(
+            code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(config.run_dir)}
+        )
     reporter.emit(outcome.kind, outcome.data)
     if not reporter.close(flush_timeout=config.report_flush_timeout):
-        logger.warning("%d events not delivered (%s); they stay in %s", reporter.undelivered, reporter.last_error, reporter.spool.path)
+        logger.warning(
+            "%d events not delivered (%s); they stay in %s",
+            reporter.undelivered,
+            reporter.last_error,
+            reporter.spool.path,
+        )
     logger.info("run %s: %s %s", config.run_id, outcome.kind, outcome.data)
     return outcome.code
 

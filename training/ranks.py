@@ -10,13 +10,18 @@ Two facts about process lifetime drive this module:
 * A rank may start helpers of its own. Each rank leads its own process group, so one `killpg`
   stops the rank and everything it started.
 
+A restart can also take a warm standby (`training.standby`): a process started the same way that
+has already imported the trainer, and becomes rank R when handed its environment.
+
 stdout and stderr of rank R are appended to `RUN_DIR/logs/rank{R}.log`, across restarts, so the
 stack a hung rank dumps before it is killed stays next to what the restarted rank prints.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -43,10 +48,24 @@ class RankProcess:
     started_at: float  # time.time() at spawn
     log: Path
     exit_code: int | None = field(default=None)
+    # A descriptor that becomes readable the moment the process exits, so the agent wakes up at
+    # once instead of at its next poll; None where the kernel has no pidfd_open (Linux < 5.3).
+    pidfd: int | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        try:
+            self.pidfd = os.pidfd_open(self.popen.pid)
+        except (AttributeError, OSError):  # no pidfd on this kernel, or the process is gone
+            self.pidfd = None
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     def poll(self) -> int | None:
         if self.exit_code is None:
@@ -61,14 +80,83 @@ class RankProcess:
             pass
 
 
+@dataclass(kw_only=True)
+class Standby:
+    """A process that has imported the rank's entry point and waits for its orders on stdin."""
+
+    popen: subprocess.Popen[bytes]
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def discard(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.popen.wait()
+
+
+def _start_log(log: Path, global_rank: int, how: str) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        out.write(
+            f"\n===== fathom: rank {global_rank} starting ({how}) at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode()
+        )
+
+
+def spawn_standby(entrypoint: str, *, env: dict[str, str], log: Path) -> Standby:
+    """Starts a standby; until it becomes a rank, what it prints goes to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), sys.executable, "-m", "training.standby", entrypoint],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Standby(popen=popen)
+
+
+def activate_standby(
+    standby: Standby,
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    log: Path,
+    global_rank: int,
+    local_rank: int,
+    heartbeat_file: Path,
+) -> RankProcess | None:
+    """Turns `standby` into rank `global_rank`; None if it died before it could take the order."""
+    if not standby.alive() or standby.popen.stdin is None:
+        return None
+    heartbeat_file.unlink(missing_ok=True)
+    _start_log(log, global_rank, "warm standby")
+    try:
+        standby.popen.stdin.write(json.dumps({"env": env, "argv": argv, "log": str(log)}).encode() + b"\n")
+        standby.popen.stdin.close()
+    except BrokenPipeError:
+        standby.discard()
+        return None
+    return RankProcess(
+        global_rank=global_rank,
+        local_rank=local_rank,
+        popen=standby.popen,
+        heartbeat_file=heartbeat_file,
+        started_at=time.time(),
+        log=log,
+    )
+
+
 def spawn_rank(
     command: list[str], *, env: dict[str, str], log: Path, global_rank: int, local_rank: int, heartbeat_file: Path
 ) -> RankProcess:
-    log.parent.mkdir(parents=True, exist_ok=True)
     heartbeat_file.unlink(missing_ok=True)  # a beat from the previous attempt is not this rank's
+    _start_log(log, global_rank, "cold")
     with open(log, "ab") as out:
-        out.write(f"\n===== fathom: rank {global_rank} starting at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
-        out.flush()
         popen = subprocess.Popen(
             [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command],
             env=env,
@@ -106,3 +194,13 @@ def stop_ranks(ranks: list[RankProcess], *, sig: signal.Signals, grace: float) -
     for rank in ranks:
         rank.popen.wait()
         rank.poll()
+        rank.close_pidfd()
+
+
+def wait_for_exit(ranks: list[RankProcess], timeout: float) -> None:
+    """Sleeps up to `timeout` seconds, waking early when a running rank exits."""
+    pidfds = [r.pidfd for r in ranks if r.pidfd is not None and r.exit_code is None]
+    if pidfds:
+        select.select(pidfds, [], [], timeout)
+    else:
+        time.sleep(timeout)
