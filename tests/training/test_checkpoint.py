@@ -1,0 +1,117 @@
+"""Checkpoints: only committed ones count, resume is exact, and a checkpoint loads onto another layout."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from training.check_parity import launch, parity_spec, step_losses
+from training.checkpoint import (
+    COMMITTED,
+    checkpoint_path,
+    committed_checkpoints,
+    latest_checkpoint,
+    read_metadata,
+    remove_uncommitted,
+)
+from training.config import DataConfig, RunSpec
+from training.metrics import METRIC_KEYS
+
+TIMEOUT = 600
+
+
+def make_checkpoint(run_dir: Path, step: int, committed: bool = True) -> Path:
+    path = checkpoint_path(run_dir, step)
+    path.mkdir(parents=True)
+    if committed:
+        (path / COMMITTED).write_text(f"{step}\n")
+    return path
+
+
+def test_the_newest_committed_checkpoint_wins_and_torn_ones_are_ignored(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, 10)
+    newest = make_checkpoint(tmp_path, 20)
+    make_checkpoint(tmp_path, 30, committed=False)  # renamed into place, crashed before the marker
+    (checkpoint_path(tmp_path, 40).with_name("step_00000040.tmp")).mkdir()  # crashed while writing
+    assert latest_checkpoint(tmp_path) == newest
+    assert [p.name for p in committed_checkpoints(tmp_path)] == ["step_00000010", "step_00000020"]
+
+
+def test_cleaning_removes_only_what_was_never_committed(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, 10)
+    torn = make_checkpoint(tmp_path, 30, committed=False)
+    staging = checkpoint_path(tmp_path, 40).with_name("step_00000040.tmp")
+    staging.mkdir()
+    assert sorted(remove_uncommitted(tmp_path)) == sorted([torn, staging])
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000010"]
+
+
+def test_a_run_without_checkpoints_has_no_latest(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    assert remove_uncommitted(tmp_path) == []
+
+
+def spec_for(data: DataConfig, steps: int, interval: int, **layout: object) -> RunSpec:
+    spec = parity_spec(steps, **layout)
+    spec.train.checkpoint_interval = interval
+    spec.train.keep_checkpoints = 2
+    return RunSpec.from_dict({**spec.to_dict(), "data": vars(data)})
+
+
+def resume_from(source_run: Path, step: int, run_dir: Path) -> None:
+    """A fresh run folder that holds only the checkpoint of `step`, plus the debris of a crashed save."""
+    shutil.copytree(checkpoint_path(source_run, step), checkpoint_path(run_dir, step))
+    make_checkpoint(run_dir, step + 1, committed=False)
+    checkpoint_path(run_dir, step + 2).with_name(f"step_{step + 2:08d}.tmp").mkdir()
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_losses_bitwise(tiny_data: DataConfig, tmp_path: Path) -> None:
+    spec = spec_for(tiny_data, steps=6, interval=3, dp=2)
+    whole = launch(spec, tmp_path / "whole", TIMEOUT)
+    kinds = [e["kind"] for e in whole]
+    assert kinds == ["metrics"] * 3 + ["checkpoint"] + ["metrics"] * 3 + ["checkpoint", "finished"]
+    assert set(whole[0]) == {"kind", "time", "step", *METRIC_KEYS}
+
+    resume_from(tmp_path / "whole", 3, tmp_path / "resumed")
+    resumed = launch(spec, tmp_path / "resumed", TIMEOUT)
+    assert resumed[0]["kind"] == "resumed" and resumed[0]["step"] == 3
+    expected = {s: loss for s, loss in step_losses(whole).items() if s > 3}
+    assert step_losses(resumed) == expected  # float equality: bitwise
+    assert [p.name for p in committed_checkpoints(tmp_path / "resumed")] == ["step_00000003", "step_00000006"]
+    assert read_metadata(checkpoint_path(tmp_path / "resumed", 6))["sampler"]["consumed"] == 6 * spec.train.global_batch
+
+
+def test_a_finished_run_that_is_started_again_only_reports_it_is_finished(tiny_data: DataConfig, tmp_path: Path) -> None:
+    spec = spec_for(tiny_data, steps=2, interval=2)
+    launch(spec, tmp_path, TIMEOUT)
+    again = launch(spec, tmp_path, TIMEOUT)
+    assert [e["kind"] for e in again[-2:]] == ["resumed", "finished"]
+
+
+def test_async_checkpoints_commit_and_resume_exactly(tiny_data: DataConfig, tmp_path: Path) -> None:
+    spec = spec_for(tiny_data, steps=6, interval=2, dp=2, zero=3)
+    spec.train.async_checkpoint = True
+    whole = launch(spec, tmp_path / "whole", TIMEOUT)
+    committed = [e["step"] for e in whole if e["kind"] == "checkpoint"]
+    assert committed == [2, 4, 6]
+    assert [p.name for p in committed_checkpoints(tmp_path / "whole")] == ["step_00000004", "step_00000006"]
+    resume_from(tmp_path / "whole", 4, tmp_path / "resumed")
+    resumed = launch(spec, tmp_path / "resumed", TIMEOUT)
+    assert step_losses(resumed) == {s: v for s, v in step_losses(whole).items() if s > 4}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_four_ranks_resumes_on_two_ranks_in_another_layout(
+    tiny_data: DataConfig, tmp_path: Path
+) -> None:
+    four = spec_for(tiny_data, steps=6, interval=3, dp=2, tp=2, zero=3)
+    whole = step_losses(launch(four, tmp_path / "four", TIMEOUT))
+    two = spec_for(tiny_data, steps=6, interval=3, pp=2)
+    resume_from(tmp_path / "four", 3, tmp_path / "two")
+    resumed = launch(two, tmp_path / "two", TIMEOUT)
+    assert resumed[0] == {**resumed[0], "kind": "resumed", "step": 3}
+    losses = step_losses(resumed)
+    assert sorted(losses) == [4, 5, 6]
+    assert max(abs(losses[s] - whole[s]) for s in losses) <= 1e-4

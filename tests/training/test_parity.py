@@ -1,0 +1,103 @@
+"""Every parallel layout trains like one process: per-step losses within 1e-4 (fp32) over 5 steps.
+
+Each test launches the layout under torchrun on gloo (real processes, one thread each) and compares
+with a single-process run of the same spec, data and seed, shared by the tests of the session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from training.check_parity import Parity, check_parity, launch, parity_spec, reference_spec, step_losses
+from training.config import DataConfig, RunSpec
+
+STEPS = 5
+TOLERANCE = 1e-4
+TIMEOUT = 600  # seconds; a hung layout fails its test instead of blocking the suite
+
+
+def with_data(spec: RunSpec, data: DataConfig) -> RunSpec:
+    return RunSpec.from_dict({**spec.to_dict(), "data": vars(data)})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data: DataConfig, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    spec = with_data(reference_spec(parity_spec(STEPS)), tiny_data)
+    return step_losses(launch(spec, tmp_path_factory.mktemp("reference"), TIMEOUT))
+
+
+def assert_parity(layout: dict[str, Any], reference: dict[int, float], data: DataConfig, tmp_path: Path) -> None:
+    spec = with_data(parity_spec(STEPS, **layout), data)
+    parity = Parity(reference=reference, parallel=step_losses(launch(spec, tmp_path, TIMEOUT)))
+    assert sorted(parity.parallel) == list(range(1, STEPS + 1))
+    assert parity.max_delta <= TOLERANCE, parity
+
+
+def test_data_parallel_matches_one_process(reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path) -> None:
+    assert_parity({"dp": 2}, reference, tiny_data, tmp_path)
+
+
+def test_tensor_parallel_matches_one_process(reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path) -> None:
+    assert_parity({"tp": 2}, reference, tiny_data, tmp_path)
+
+
+def test_pipeline_1f1b_matches_one_process(reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path) -> None:
+    assert_parity({"pp": 2, "schedule": "1f1b"}, reference, tiny_data, tmp_path)
+
+
+def test_zero3_fsdp_matches_one_process(reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path) -> None:
+    assert_parity({"dp": 2, "zero": 3}, reference, tiny_data, tmp_path)
+
+
+def test_full_recompute_matches_one_process(reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path) -> None:
+    assert_parity({"dp": 2, "recompute": "full"}, reference, tiny_data, tmp_path)
+
+
+def test_selective_recompute_with_tensor_parallel_matches_one_process(
+    reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path
+) -> None:
+    assert_parity({"tp": 2, "recompute": "selective"}, reference, tiny_data, tmp_path)
+
+
+def test_interleaved_1f1b_with_two_stages_per_rank_matches_one_process(
+    reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path
+) -> None:
+    assert_parity({"pp": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 2}, reference, tiny_data, tmp_path)
+
+
+@pytest.mark.slow
+def test_data_and_tensor_parallel_match_one_process(reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path) -> None:
+    assert_parity({"dp": 2, "tp": 2}, reference, tiny_data, tmp_path)
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_match_one_process(
+    reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path
+) -> None:
+    assert_parity({"tp": 2, "pp": 2}, reference, tiny_data, tmp_path)
+
+
+@pytest.mark.slow
+def test_replicated_data_parallel_with_a_gpipe_pipeline_matches_one_process(
+    reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path
+) -> None:
+    # zero=0 all-reduces in backward hooks, which must wait for every micro-batch's gradient.
+    assert_parity({"dp": 2, "pp": 2, "schedule": "gpipe", "recompute": "selective"}, reference, tiny_data, tmp_path)
+
+
+@pytest.mark.slow
+def test_dp_tp_pp_on_eight_ranks_with_zero3_and_recompute_matches_one_process(
+    reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path
+) -> None:
+    layout = {"dp": 2, "tp": 2, "pp": 2, "zero": 3, "recompute": "full"}
+    assert_parity(layout, reference, tiny_data, tmp_path)
+
+
+def test_zero2_with_gradient_accumulation_matches_one_process(tiny_data: DataConfig, tmp_path: Path) -> None:
+    spec = with_data(parity_spec(STEPS, dp=2, zero=2), tiny_data)
+    spec.train.grad_accum = 2
+    parity = check_parity(spec, tmp_path, TIMEOUT)
+    assert parity.max_delta <= TOLERANCE, parity
