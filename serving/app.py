@@ -41,6 +41,8 @@ async def _send_json(send: Send, status: int, data: Any) -> None:
 
 async def _send(send: Send, response: ProxyResponse) -> None:
     headers = [(b"content-type", response.content_type.encode())]
+    if response.replica:
+        headers.append((b"x-fathom-replica", response.replica.encode()))
     if response.stream is not None:
         headers.append((b"cache-control", b"no-cache"))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})

@@ -267,17 +267,50 @@ class Router:
             return ProxyResponse(upstream.status, upstream.content_type, raw, replica=key)
         return ProxyResponse(upstream.status, upstream.content_type, stream=self._stream(key, upstream), replica=key)
 
-    async def _stream(self, key: str, upstream: UpstreamResponse) -> AsyncIterator[bytes]:
-        """Pass the replica's bytes through; the request stays outstanding until the stream ends
-        or the client goes away (the view closes this generator)."""
+    def _stream(self, key: str, upstream: UpstreamResponse) -> RelayStream:
+        return RelayStream(upstream, release=lambda: self._release(key), read_timeout_s=self._timeouts.read_s)
+
+
+class RelayStream:
+    """A replica's response bytes, passed through as they come. The request counts as outstanding
+    until the stream ends or `aclose()` is called; the view must call `aclose()` when it stops
+    early (a client that hung up), and it is safe to call it twice or before iterating at all:
+    a plain async generator would skip its cleanup when closed before its first item."""
+
+    def __init__(self, upstream: UpstreamResponse, *, release: Callable[[], None], read_timeout_s: float) -> None:
+        self._upstream = upstream
+        self._chunks = upstream.chunks.__aiter__()
+        self._release: Callable[[], None] | None = release
+        self._read_timeout_s = read_timeout_s
+        self._tail: bytes | None = None  # a final error event still to send
+
+    def __aiter__(self) -> RelayStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._release is None:
+            raise StopAsyncIteration
+        if self._tail is not None:
+            tail, self._tail = self._tail, None
+            await self.aclose()
+            return tail
         try:
-            async for chunk in upstream.chunks:
-                yield chunk
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
         except httpx.TimeoutException:
-            yield upstream_timeout(self._timeouts.read_s).sse_event()
+            self._tail = upstream_timeout(self._read_timeout_s).sse_event()
         except httpx.HTTPError as exc:
-            yield upstream_failed(f"the stream broke off: {exc!r}").sse_event()
-        finally:
+            self._tail = upstream_failed(f"the stream broke off: {exc!r}").sse_event()
+        return await self.__anext__()
+
+    async def aclose(self) -> None:
+        release, self._release = self._release, None
+        if release is None:
+            return
+        try:
             with contextlib.suppress(Exception):
-                await upstream.close()
-            self._release(key)
+                await self._upstream.close()
+        finally:
+            release()

@@ -1,0 +1,221 @@
+"""A real deployment: a detached supervisor with two vLLM replicas behind the router app.
+
+The tests run in file order on one deployment (started once for the module): traffic and
+metrics first, then a replica is killed under load, and last the deployment is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from serving.metrics import histogram_quantile, parse_prometheus, rates_between, scrape
+from serving.supervisor import read_events, read_state, request_stop
+from serving.vllm import ReplicaOptions
+from tests.serving.conftest import RunningDeployment, process_alive, start_deployment, wait_until
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+STREAM_TOKENS = 300  # long enough that all 20 streams are mid-flight when a replica is killed
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path, vllm_python: str
+) -> Iterator[RunningDeployment]:
+    options = ReplicaOptions(max_model_len=1024, max_num_seqs=32, kv_cache_gib=1, enforce_eager=True, dtype="float32")
+    yield from start_deployment(
+        tmp_path_factory.mktemp("deploy"),
+        tiny_checkpoint,
+        vllm_python,
+        name="tiny",
+        replicas=2,
+        options=options,
+        cpu_binds=("0", "1"),
+    )
+
+
+def events_of(deployment: RunningDeployment) -> list:
+    return read_events(deployment.state_dir)[0]
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, started: asyncio.Event | None = None, **body: object
+) -> dict:
+    """One streamed completion: which replica served it, the text, finish reason, and whether it
+    ended with an error event."""
+    payload = {"model": "tiny", "prompt": "the cat sees", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True}, **body}  # fmt: skip
+    # vLLM may pack several tokens into one chunk when the reader lags: count tokens from usage.
+    result: dict = {"text": "", "finish_reason": None, "error": None, "chunks": 0, "tokens": None}
+    async with client.stream("POST", f"{url}/v1/completions", json=payload) as response:
+        result["status"] = response.status_code
+        result["replica"] = response.headers.get("x-fathom-replica")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                result["error"] = event["error"]
+                continue
+            if event.get("usage"):
+                result["tokens"] = event["usage"]["completion_tokens"]
+            if not event.get("choices"):
+                continue
+            result["chunks"] += 1
+            if started is not None:
+                started.set()
+            choice = event["choices"][0]
+            result["text"] += choice.get("text", "")
+            result["finish_reason"] = choice.get("finish_reason") or result["finish_reason"]
+    return result
+
+
+def test_the_supervisor_reports_every_replica_ready_with_its_own_port_and_logs(deployment: RunningDeployment) -> None:
+    state = read_state(deployment.state_dir)
+    assert state is not None and len(state.replicas) == 2
+    assert {r.phase for r in state.replicas} == {"ready"}
+    assert len({r.port for r in state.replicas}) == 2
+    assert all(r.pid and process_alive(r.pid) for r in state.replicas)
+    assert all(Path(r.log).stat().st_size > 0 for r in state.replicas)
+    kinds = [(e.kind, e.replica) for e in events_of(deployment)]
+    for index in (0, 1):
+        assert kinds.index(("replica_starting", index)) < kinds.index(("replica_ready", index))
+
+
+async def test_chat_and_completions_work_through_the_router_with_the_openai_client(
+    deployment: RunningDeployment,
+) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{deployment.router_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    chat = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "the dog"}], max_tokens=12, temperature=0
+    )
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens >= 1
+    pieces = []
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "the dog"}], max_tokens=12, temperature=0, stream=True
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    assert "".join(pieces) == chat.choices[0].message.content  # greedy: streamed equals whole
+    completion = await client.completions.create(model="tiny", prompt="a dog finds", max_tokens=8, temperature=0)
+    assert completion.choices[0].text
+    await client.close()
+
+
+async def test_errors_reach_the_openai_client_as_its_usual_exceptions(deployment: RunningDeployment) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{deployment.router_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as hot:
+        await client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=3)
+    assert hot.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as long:
+        await client.completions.create(model="tiny", prompt="the cat sees the moon " * 300, max_tokens=2)
+    assert long.value.code == "context_length_exceeded"
+    # A parameter only vLLM checks: its error comes back in OpenAI's shape.
+    with pytest.raises(openai.BadRequestError) as upstream:
+        await client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"top_k": -5})
+    assert upstream.value.body is not None and upstream.value.status_code == 400
+    await client.close()
+
+
+async def test_metrics_of_a_real_replica_show_load_tokens_and_ttft(deployment: RunningDeployment) -> None:
+    url = deployment.ready_urls()[0]
+    async with httpx.AsyncClient(timeout=120) as client:
+        before = await scrape(client, url)
+        await asyncio.gather(*(stream_completion(client, url, max_tokens=16) for _ in range(4)))
+        after = await scrape(client, url)
+        raw = parse_prometheus((await client.get(f"{url}/metrics")).text)
+    assert after.generation_tokens_total - before.generation_tokens_total == 64
+    assert after.prompt_tokens_total > before.prompt_tokens_total
+    assert rates_between(before, after)["generation_tokens_per_s"] > 0
+    assert after.requests_running == 0 and after.requests_waiting == 0
+    assert 0 <= after.kv_cache_usage <= 1
+    assert after.ttft_p50_s is not None and after.ttft_p50_s > 0
+    assert after.ttft_count >= 4
+    assert histogram_quantile(raw, "vllm:time_to_first_token_seconds", 0.5) == after.ttft_p50_s
+
+
+async def test_killing_a_replica_under_load_fails_only_its_streams_and_it_comes_back(
+    deployment: RunningDeployment,
+) -> None:
+    state = read_state(deployment.state_dir)
+    assert state is not None
+    victim = state.replicas[0]
+    assert victim.pid and victim.url
+    events_before = len(events_of(deployment))
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as client:
+        started = [asyncio.Event() for _ in range(20)]
+        streams = [asyncio.create_task(stream_completion(client, deployment.router_url, s)) for s in started]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 240)
+        os.killpg(victim.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*streams), 300)
+
+        on_victim = [r for r in results if r["replica"] == victim.url]
+        on_survivor = [r for r in results if r["replica"] != victim.url]
+        assert on_victim and on_survivor, [r["replica"] for r in results]
+        for result in on_survivor:  # in flight on the survivor: finished in full
+            assert result["status"] == 200 and result["error"] is None
+            assert result["finish_reason"] == "length" and result["tokens"] == STREAM_TOKENS
+        for result in on_victim:  # cut mid-stream: ended by an OpenAI error event, not a hang
+            assert result["error"] is not None and result["error"]["type"] == "server_error"
+
+        # New requests succeed at once, while the killed replica restarts.
+        after = await asyncio.wait_for(
+            asyncio.gather(*(stream_completion(client, deployment.router_url, max_tokens=8) for _ in range(10))), 240
+        )
+        assert all(r["status"] == 200 and r["error"] is None and r["finish_reason"] == "length" for r in after)
+
+        def victim_back() -> bool:
+            kinds = [(e.kind, e.replica, e.restarts) for e in events_of(deployment)[events_before:]]
+            return ("replica_ready", 0, 1) in kinds
+
+        await asyncio.to_thread(wait_until, victim_back, 240, "the killed replica to restart")
+        new_events = events_of(deployment)[events_before:]
+        died = next(e for e in new_events if e.kind == "replica_died" and e.replica == 0)
+        assert died.exit_code == -signal.SIGKILL
+        assert any(e.kind == "replica_restarting" and e.replica == 0 and e.delay_s for e in new_events)
+        restarted = read_state(deployment.state_dir)
+        assert restarted is not None and restarted.replicas[0].phase == "ready" and restarted.replicas[0].restarts == 1
+        assert restarted.replicas[0].pid != victim.pid
+
+        # It rejoins: concurrent requests spread over both replicas again.
+        rejoined = await asyncio.wait_for(
+            asyncio.gather(*(stream_completion(client, deployment.router_url, max_tokens=32) for _ in range(8))), 240
+        )
+        assert len({r["replica"] for r in rejoined}) == 2
+        assert not process_alive(victim.pid)
+
+
+async def test_stopping_drains_in_flight_requests_then_stops_every_replica(deployment: RunningDeployment) -> None:
+    state = read_state(deployment.state_dir)
+    assert state is not None
+    replica_pids = [r.pid for r in state.replicas if r.pid]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as client:
+        started = asyncio.Event()
+        in_flight = asyncio.create_task(stream_completion(client, deployment.router_url, started))
+        await asyncio.wait_for(started.wait(), 120)
+        assert request_stop(deployment.state_dir)
+        result = await asyncio.wait_for(in_flight, 240)
+    assert result["error"] is None and result["finish_reason"] == "length" and result["tokens"] == STREAM_TOKENS
+    await asyncio.to_thread(
+        wait_until, lambda: not process_alive(deployment.supervisor_pid), 120, "the supervisor to exit"
+    )
+    assert not any(process_alive(pid) for pid in replica_pids)
+    final = read_state(deployment.state_dir)
+    assert final is not None and {r.phase for r in final.replicas} == {"stopped"}
+    stopped = [e.replica for e in events_of(deployment) if e.kind == "replica_stopped"]
+    assert sorted(stopped) == [0, 1]

@@ -1,0 +1,231 @@
+"""Replica options: each value checked on its own, then against a checkpoint and a device."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from serving.supervisor import DeploymentConfig
+from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, replica_launch
+
+CPU = DeviceInfo(kind="cpu", cpu_flags=frozenset({"avx512f", "avx512_bf16"}))
+CPU_WITH_AMX = DeviceInfo(kind="cpu", cpu_flags=frozenset({"avx512f", "amx_tile", "amx_bf16"}))
+AMPERE = DeviceInfo(kind="cuda", cuda_capability=(8, 0))
+TURING = DeviceInfo(kind="cuda", cuda_capability=(7, 5))
+
+
+def write_checkpoint(
+    root: Path,
+    *,
+    hidden: int = 256,
+    heads: int = 4,
+    intermediate: int = 768,
+    max_pos: int = 2048,
+    quant: dict | None = None,
+) -> CheckpointInfo:
+    root.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": max_pos,
+        "dtype": "float32",
+    }
+    if quant:
+        config["quantization_config"] = quant
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "tokenizer.json").write_text("{}")
+    return CheckpointInfo.read(root)
+
+
+def error_of(fn, *args, **kwargs) -> OptionError:  # type: ignore[no-untyped-def]
+    with pytest.raises(OptionError) as caught:
+        fn(*args, **kwargs)
+    return caught.value
+
+
+GPTQ4 = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+W8A8 = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {
+        "g": {"weights": {"num_bits": 8, "type": "int"}, "input_activations": {"num_bits": 8, "type": "int"}}
+    },
+}
+W8A16 = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}, "input_activations": None}},
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("device", "tpu", "cpu, cuda"),
+        ("dtype", "float8", "auto, float32, bfloat16, float16"),
+        ("quantization", "int2", "none, int8_weight_only, int8_w8a8, fp8, int4"),
+        ("max_model_len", 0, "from 16 to"),
+        ("max_num_seqs", 0, "from 1 to 4096"),
+        ("kv_cache_gib", 0.5, "whole number of GiB"),
+        ("gpu_memory_utilization", 1.5, "from 0.05 to 1.0"),
+        ("block_size", 48, "multiple of 32"),
+        ("cpu_threads_bind", "first", "'auto', 'nobind' or core ids"),
+        ("enable_prefix_caching", "yes", "true or false"),
+    ],
+)
+def test_it_rejects_each_bad_value_naming_the_field_and_what_is_allowed(
+    field: str, value: object, allowed: str
+) -> None:
+    error = error_of(ReplicaOptions, **{field: value})
+    assert error.field == field
+    assert allowed in error.message
+    assert repr(value) in error.message
+
+
+def test_block_size_rules_follow_the_device() -> None:
+    assert ReplicaOptions(device="cuda", block_size=16).block_size == 16
+    assert "on cpu must be a multiple of 32" in error_of(ReplicaOptions, device="cpu", block_size=16).message
+    assert ReplicaOptions(device="cpu", block_size=64).block_size == 64
+
+
+def test_it_rejects_unknown_option_names_from_json() -> None:
+    error = error_of(ReplicaOptions.from_dict, {"max_model_len": 512, "tensor_paralel": 2})
+    assert error.field == "tensor_paralel"
+    assert "max_num_seqs" in error.message
+
+
+def test_a_plain_checkpoint_serves_unquantized_on_cpu(tmp_path: Path) -> None:
+    check_compatible(ReplicaOptions(max_model_len=1024), write_checkpoint(tmp_path), CPU)
+
+
+def test_it_rejects_a_context_longer_than_the_checkpoint_was_trained_for(tmp_path: Path) -> None:
+    error = error_of(
+        check_compatible, ReplicaOptions(max_model_len=4096), write_checkpoint(tmp_path, max_pos=2048), CPU
+    )
+    assert error.field == "max_model_len"
+    assert "2048" in error.message
+
+
+def test_it_rejects_head_sizes_the_cpu_attention_kernel_lacks(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path, hidden=96, heads=4)  # head size 24
+    error = error_of(check_compatible, ReplicaOptions(), ckpt, CPU)
+    assert error.field == "device"
+    assert "24" in error.message
+    check_compatible(ReplicaOptions(device="cuda"), ckpt, AMPERE)
+
+
+def test_int8_weight_only_is_refused_on_cpu_and_served_on_cuda_from_an_8bit_checkpoint(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path, quant=W8A16)
+    error = error_of(check_compatible, ReplicaOptions(quantization="int8_weight_only"), ckpt, CPU)
+    assert error.field == "quantization"
+    assert "int8_w8a8" in error.message and "int4" in error.message
+    check_compatible(ReplicaOptions(device="cuda", quantization="int8_weight_only"), ckpt, AMPERE)
+
+
+def test_int8_w8a8_is_served_on_cpu_from_a_compressed_tensors_checkpoint(tmp_path: Path) -> None:
+    check_compatible(ReplicaOptions(quantization="int8_w8a8"), write_checkpoint(tmp_path, quant=W8A8), CPU)
+
+
+def test_quantized_widths_other_than_fp8_must_come_from_the_checkpoint(tmp_path: Path) -> None:
+    error = error_of(check_compatible, ReplicaOptions(quantization="int4"), write_checkpoint(tmp_path), CPU)
+    assert error.field == "quantization"
+    assert "quantizes online only to fp8" in error.message
+
+
+def test_fp8_on_cpu_needs_amx(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path)
+    error = error_of(check_compatible, ReplicaOptions(quantization="fp8"), ckpt, CPU)
+    assert "AMX" in error.message
+    check_compatible(ReplicaOptions(quantization="fp8"), ckpt, CPU_WITH_AMX)
+
+
+def test_fp8_on_cuda_is_online_from_a_plain_checkpoint_and_needs_turing_or_newer(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path)
+    options = ReplicaOptions(device="cuda", quantization="fp8")
+    check_compatible(options, ckpt, TURING)
+    assert "7.5" in error_of(check_compatible, options, ckpt, DeviceInfo(kind="cuda", cuda_capability=(7, 0))).message
+    argv = replica_launch(options, ckpt.path, served_model_name="m", port=1, python="py", state_dir=tmp_path).argv
+    assert argv[argv.index("--quantization") + 1] == "fp8"
+
+
+def test_int4_on_cpu_needs_linear_sizes_in_multiples_of_32(tmp_path: Path) -> None:
+    options = ReplicaOptions(quantization="int4")
+    check_compatible(options, write_checkpoint(tmp_path / "a", quant=GPTQ4), CPU)
+    error = error_of(check_compatible, options, write_checkpoint(tmp_path / "b", intermediate=700, quant=GPTQ4), CPU)
+    assert "intermediate_size is 700" in error.message
+
+
+def test_a_quantized_checkpoint_must_be_declared(tmp_path: Path) -> None:
+    error = error_of(check_compatible, ReplicaOptions(), write_checkpoint(tmp_path, quant=GPTQ4), CPU)
+    assert error.field == "quantization"
+    assert "set quantization to 'int4'" in error.message
+
+
+def test_options_for_another_device_are_refused(tmp_path: Path) -> None:
+    error = error_of(check_compatible, ReplicaOptions(device="cuda"), write_checkpoint(tmp_path), CPU)
+    assert error.field == "device"
+
+
+def test_the_cpu_launch_sets_kv_cache_cores_and_keeps_files_in_the_state_dir(tmp_path: Path) -> None:
+    options = ReplicaOptions(
+        max_model_len=512,
+        max_num_seqs=8,
+        kv_cache_gib=2,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=64,
+        enable_prefix_caching=False,
+    )
+    launch = replica_launch(
+        options,
+        "/ckpt",
+        served_model_name="tiny",
+        port=8123,
+        python="/venv/bin/python",
+        state_dir=tmp_path,
+        cpu_threads_bind="1",
+    )
+    argv = launch.argv
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    pairs = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert pairs["--model"] == "/ckpt" and pairs["--served-model-name"] == "tiny" and pairs["--port"] == "8123"
+    assert pairs["--max-model-len"] == "512" and pairs["--max-num-seqs"] == "8" and pairs["--dtype"] == "float32"
+    assert {"--enforce-eager", "--no-enable-prefix-caching"} <= set(argv)
+    assert argv[argv.index("--block-size") + 1] == "64"
+    assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert launch.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and launch.env["TMPDIR"].startswith(str(tmp_path))
+    assert launch.url == "http://127.0.0.1:8123"
+
+
+def test_the_cuda_launch_sets_the_memory_fraction_instead_of_a_cpu_cache(tmp_path: Path) -> None:
+    launch = replica_launch(
+        ReplicaOptions(device="cuda", gpu_memory_utilization=0.8),
+        "/ckpt",
+        served_model_name="m",
+        port=1,
+        python="py",
+        state_dir=tmp_path,
+    )
+    assert launch.argv[launch.argv.index("--gpu-memory-utilization") + 1] == "0.8"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in launch.env
+
+
+def test_a_deployment_config_round_trips_through_json_and_checks_its_fields(tmp_path: Path) -> None:
+    config = DeploymentConfig(
+        name="tiny",
+        checkpoint="/c",
+        state_dir=str(tmp_path),
+        python="py",
+        replicas=2,
+        cpu_binds=("0", "1"),
+        options=ReplicaOptions(kv_cache_gib=2),
+    )
+    again = DeploymentConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config
+    assert error_of(dataclasses.replace, config, replicas=0).field == "replicas"
+    assert error_of(dataclasses.replace, config, cpu_binds=("zero",)).field == "cpu_threads_bind"
+    assert error_of(DeploymentConfig.from_dict, {**config.to_dict(), "replica": 3}).field == "replica"

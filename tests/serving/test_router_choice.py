@@ -1,0 +1,144 @@
+"""The router's choice and failover, over scripted backends (the `Backend` interface) and over a
+real port that refuses connections. Real vLLM behind the router: test_deployment.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+from serving.router import (
+    Backend,
+    BackendUnavailable,
+    ReplicaEndpoint,
+    Router,
+    StateFileReplicas,
+    StaticReplicas,
+    UpstreamResponse,
+)
+from serving.supervisor import free_port
+
+
+class ScriptedBackend:
+    """Answers from a script: refuse, or stream `chunks` after waiting for `release`."""
+
+    def __init__(self, key: str, *, refuse: bool = False) -> None:
+        self.key = key
+        self.refuse = refuse
+        self.release = asyncio.Event()
+        self.requests: list[bytes] = []
+
+    async def health(self) -> bool:
+        return not self.refuse
+
+    async def send(self, path: str, body: bytes) -> UpstreamResponse:
+        if self.refuse:
+            raise BackendUnavailable(f"{self.key} refused")
+        self.requests.append(body)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            await self.release.wait()
+            yield f'data: {{"replica": "{self.key}"}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+
+        async def close() -> None:
+            return None
+
+        return UpstreamResponse(200, "text/event-stream", chunks(), close)
+
+
+def router_over(*backends: ScriptedBackend) -> Router:
+    by_key = {b.key: b for b in backends}
+
+    def factory(endpoint: ReplicaEndpoint, client: httpx.AsyncClient) -> Backend:
+        return by_key[endpoint.key]
+
+    return Router(StaticReplicas(tuple(by_key)), model="tiny", backend_factory=factory)
+
+
+async def drain(stream: AsyncIterator[bytes] | None) -> bytes:
+    assert stream is not None
+    return b"".join([chunk async for chunk in stream])
+
+
+async def test_it_sends_each_request_to_the_replica_with_fewest_outstanding() -> None:
+    a, b, c = ScriptedBackend("a"), ScriptedBackend("b"), ScriptedBackend("c")
+    router = router_over(a, b, c)
+    streams = [await router.forward("/v1/completions", {"stream": True}) for _ in range(6)]
+    assert router.outstanding() == {"a": 2, "b": 2, "c": 2}
+    # Finish b's two streams: the next two requests both go to b.
+    b.release.set()
+    for response in streams:
+        if response.replica == "b":
+            await drain(response.stream)
+    assert router.outstanding() == {"a": 2, "c": 2}
+    nxt = [await router.forward("/v1/completions", {"stream": True}) for _ in range(2)]
+    assert [r.replica for r in nxt] == ["b", "b"]
+    a.release.set()
+    c.release.set()
+    for response in streams + nxt:
+        if response.replica != "b" or response in nxt:
+            await drain(response.stream)
+    assert router.outstanding() == {}
+    await router.aclose()
+
+
+async def test_a_stream_the_client_abandons_stops_counting_as_outstanding() -> None:
+    a = ScriptedBackend("a")
+    router = router_over(a)
+    response = await router.forward("/v1/completions", {"stream": True})
+    assert router.outstanding() == {"a": 1}
+    await response.stream.aclose()  # type: ignore[union-attr]
+    assert router.outstanding() == {}
+
+
+async def test_it_fails_over_when_a_replica_refuses_before_the_first_byte_and_then_avoids_it() -> None:
+    down, up = ScriptedBackend("down", refuse=True), ScriptedBackend("up")
+    up.release.set()
+    router = router_over(down, up)
+    for _ in range(4):
+        response = await router.forward("/v1/completions", {"stream": True})
+        assert response.status == 200 and response.replica == "up"
+        assert b'"replica": "up"' in await drain(response.stream)
+    # After the first refusal the router stops trying the down replica for a while.
+    assert len(up.requests) == 4
+    assert [b.key for b in router.routable()] == ["up"]
+
+
+async def test_when_every_replica_refuses_the_client_gets_a_502_in_openai_shape() -> None:
+    router = router_over(ScriptedBackend("x", refuse=True), ScriptedBackend("y", refuse=True))
+    response = await router.forward("/v1/completions", {})
+    assert response.status == 502
+    error = json.loads(response.body or b"")["error"]
+    assert error["type"] == "server_error" and error["code"] == "upstream_error"
+
+
+async def test_a_real_refused_connection_is_a_failover_not_an_error() -> None:
+    """An HttpBackend to a port nobody listens on raises BackendUnavailable: the router moves on."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = Router(StaticReplicas((dead,)), model="tiny")
+    response = await router.forward("/v1/completions", {"model": "tiny", "prompt": "hi"})
+    assert response.status == 502
+    assert "no replica could be reached" in json.loads(response.body or b"")["error"]["message"]
+    await router.aclose()
+
+
+def test_the_state_file_source_lists_only_ready_replicas_and_follows_changes(tmp_path: Path) -> None:
+    source = StateFileReplicas(tmp_path)
+    assert source.endpoints() == []
+
+    def write(phases: list[str], stopping: bool = False) -> None:
+        replicas = [{"url": f"http://127.0.0.1:{9000 + i}", "phase": p} for i, p in enumerate(phases)]
+        tmp = tmp_path / "state.tmp"
+        tmp.write_text(json.dumps({"replicas": replicas, "stopping": stopping}))
+        tmp.replace(tmp_path / "state.json")
+
+    write(["ready", "starting", "ready", "draining"])
+    assert [e.url for e in source.endpoints()] == ["http://127.0.0.1:9000", "http://127.0.0.1:9002"]
+    write(["restarting", "ready", "ready", "unhealthy"])
+    assert [e.url for e in source.endpoints()] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    write(["ready", "ready"], stopping=True)
+    assert source.endpoints() == []
