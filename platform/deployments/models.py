@@ -45,7 +45,7 @@ class Deployment(models.Model):
 
     @property
     def folder(self) -> Path:
-        return settings.DEPLOYMENTS_DIR / str(self.pk)
+        return settings.DEPLOYMENTS_DIR / f"{self.pk}-{self.created_at:%Y%m%d-%H%M%S-%f}"
 
 
 class Replica(models.Model):

@@ -74,7 +74,8 @@ class Run(models.Model):
 
     @property
     def folder(self) -> Path:
-        return settings.RUNS_DIR / str(self.pk)
+        # The creation time keeps folders apart even where ids are reused (a database reset).
+        return settings.RUNS_DIR / f"{self.pk}-{self.created_at:%Y%m%d-%H%M%S-%f}"
 
     @property
     def layout_label(self) -> str:

@@ -1,0 +1,119 @@
+"""A run created through the REST API trains for real and is followed live over a websocket.
+
+Real processes throughout: daphne (HTTP + websockets), a Celery worker on the configured broker,
+node agents under torchrun machinery, gloo ranks. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+from rest_framework.authtoken.models import Token
+
+from runs.models import Run
+from runs.tasks import LAUNCH_GRACE, reconcile_runs
+
+pytestmark = pytest.mark.slow
+
+STORY = "\n".join(
+    f"{name} walked to the {place} and counted {n} {thing} before the rain."
+    for n, (name, place, thing) in enumerate(
+        [(a, b, c) for a in ("Ada", "Bruno", "Chiara", "Dmitri") for b in ("harbour", "mill", "library") for c in ("pears", "kites", "lanterns")]
+    )
+)
+
+
+def api(server, user) -> httpx.Client:
+    token = Token.objects.get_or_create(user=user)[0].key
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Token {token}"}, timeout=30)
+
+
+async def follow(server, token: str, run_id: int, after: int = 0, until: str = "succeeded", timeout: float = 400) -> list[dict]:
+    """Every event of the run over the websocket, in order, until the `until` event arrives."""
+    url = server.url.replace("http", "ws") + f"/ws/runs/{run_id}/?after={after}"
+    events: list[dict] = []
+    async with websockets.connect(url, additional_headers={"Authorization": f"Token {token}"}, origin=server.url) as ws:
+        async with asyncio.timeout(timeout):
+            while not any(e["kind"] == until for e in events):
+                message = json.loads(await ws.recv())
+                events.extend(message["events"])
+    return events
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_two_rank_run_trains_streams_live_and_is_exported(alice, live_web, celery_worker):
+    client = api(live_web, alice)
+    dataset = client.post("/api/datasets/", files={"file": ("stories.txt", STORY.encode())}).json()
+    spec = {"layout": {"dp": 2}, "train": {"steps": 8, "checkpoint_interval": 4, "global_batch": 4}}
+    created = client.post("/api/runs/", json={"name": "live", "recipe": "tiny", "dataset": dataset["id"], "spec": spec})
+    assert created.status_code == 201, created.text
+    run_id = created.json()["id"]
+
+    events = asyncio.run(follow(live_web, Token.objects.get(user=alice).key, run_id))
+
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
+    metrics = [e for e in events if e["kind"] == "metrics"]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 for m in metrics)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [4, 8]
+
+    run = client.get(f"/api/runs/{run_id}/").json()
+    assert (run["status"], run["step"]) == ("succeeded", 8)
+    wait_until(lambda: client.get(f"/api/runs/{run_id}/checkpoints/").json()[-1]["export_path"], 180, "the export")
+    checkpoints = client.get(f"/api/runs/{run_id}/checkpoints/").json()
+    assert [c["step"] for c in checkpoints] == [4, 8]
+    export = Path(checkpoints[-1]["export_path"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {p.name for p in export.iterdir()}
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert client.get(f"/api/runs/{run_id}/logs/?rank=0").json()["lines"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_killed_right_after_claiming_a_launch_still_starts_exactly_one_run(alice, live_web, celery_worker):
+    client = api(live_web, alice)
+    spec = {"train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 3}}
+    run_id = client.post("/api/runs/", json={"name": "claimed", "spec": spec}).json()["id"]
+    wait_until(lambda: Run.objects.get(pk=run_id).status != "queued", 120, "the claim")
+    celery_worker.kill()  # SIGKILL, right after the claim: the launch may be half done
+    celery_worker.start()
+    # The reconcile task (beat sends it every few seconds in production) re-sends a lost launch.
+    time.sleep(LAUNCH_GRACE.total_seconds() + 1)
+    reconcile_runs.delay()
+    wait_until(lambda: Run.objects.get(pk=run_id).status == "succeeded", 300, "the run to succeed")
+    run = Run.objects.get(pk=run_id)
+    assert run.events.filter(kind="agent_started").count() == 1  # one agent trained it, never two
+    assert list(run.events.filter(kind="metrics").values_list("data__step", flat=True)) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_restarting_the_web_process_mid_run_leaves_no_gap_in_the_history(alice, live_web, celery_worker):
+    client = api(live_web, alice)
+    spec = {"train": {"steps": 30, "checkpoint_interval": 10}}
+    run_id = client.post("/api/runs/", json={"name": "web restart", "spec": spec}).json()["id"]
+    wait_until(lambda: Run.objects.get(pk=run_id).step >= 3, 300, "a few steps")
+    live_web.process.send_signal(signal.SIGKILL)
+    live_web.process.wait()
+    time.sleep(3)  # the agent's reporter spools while the control plane is away
+    live_web.start()
+    client = api(live_web, alice)
+    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status"] == "succeeded", 300, "the run to succeed")
+    history = client.get(f"/api/runs/{run_id}/events/").json()
+    assert [e["seq"] for e in history] == list(range(1, len(history) + 1))
+    assert [e["data"]["step"] for e in history if e["kind"] == "metrics"] == list(range(1, 31))
