@@ -44,7 +44,8 @@ def test_a_stopped_rank_is_declared_hung_within_the_timeout_and_the_run_resumes(
     run = agents.run(spec, tmp_path / "run")
     assert run.process.returncode == 0, run.tail()
     failure = run.of_kind("rank_failed")[0]
-    assert (failure["rank"], failure["reason"], failure["last_step"]) == (1, "hung", 6)
+    assert (failure["rank"], failure["reason"]) == (1, "hung")
+    assert failure["last_step"] in (5, 6)  # the beat is up to one interval (100 ms) behind the loop
     # The contract of the watchdog, not a speed figure: a silent rank is declared hung once its
     # last beat is older than the timeout, and the check runs every 50 ms.
     timeout = spec.nodes.heartbeat_timeout
