@@ -403,14 +403,19 @@ class Memory:
     grads: float
     optimizer: float  # AdamW's two fp32 moments
     activations: float  # saved for backward, summed over the micro-batches in flight
-    # Working buffers at the peak: FSDP-gathered weights, autocast's bf16 weight copies, one block
-    # being recomputed, the logits while the loss runs.
-    transient: float
+    logits: float  # the head's full-vocabulary logits, alive beside the log-probabilities while the loss runs
+    working_weights: float  # FSDP-gathered weights and autocast's bf16 copies (see `working_weights`)
+    recompute: float  # one block's activations, rebuilt in backward under recompute
     reserved: float  # runtime context, communicator buffers, fragmentation
 
     @property
+    def transient(self) -> float:
+        """Working buffers on top of what is held between steps and saved for backward."""
+        return self.logits + self.working_weights + self.recompute
+
+    @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.transient + self.reserved
+        return self.states + self.activations + self.transient + self.reserved
 
     @property
     def states(self) -> float:
@@ -583,23 +588,33 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
         rank = 0 if name == "first" else pp - 1
         params = stage_params(s, share, tp)
         weights, grads, optimizer = state_bytes(params, dp, lay.zero)
+        if share.embedding and tp > 1 and lay.zero == 0:
+            # DTensor's embedding backward returns the vocabulary-split weight's gradient replicated:
+            # every tp rank holds it whole (measured; see tests/planner).
+            grads += s.V * s.h * GRAD_BYTES * (1 - 1 / tp)
         act = in_flight(rank) * share.layers * layer_act
         if share.embedding:
             act += in_flight(rank) * tokens_mb * TOKEN_IDS_BYTES
-        # One block is rebuilt at a time in backward under recompute.
-        transient = 0.0 if lay.recompute == "none" else layer_act_none
-        transient += working_weights(params, max(layer_params, emb_params), pp, lay.zero, lay.precision)
+        if pp > 1:
+            # The schedule keeps each in-flight chunk's output until its backward: an fp32 sequence
+            # slice per chunk, except the model's last, whose output is the logits (below).
+            chunks = in_flight(rank) * v - (1 if share.head else 0)
+            act += chunks * tokens_mb * s.h * RESIDUAL_BYTES / tp
         if share.head:
             # gpipe keeps every micro-batch's log-probabilities; 1F1B runs each loss's backward at once.
             act += (m_pipe if (pp > 1 and lay.schedule == "gpipe") else 1) * out_act
-            # While the loss runs: the logits and their fp32 copy.
-            transient += tokens_mb * s.V * (act_b + 4)
+            if pp > 1:
+                # torch's schedules keep every micro-batch's logits on the last stage to return them
+                # merged from step() (Fathom does not pass return_outputs=False).
+                act += (m_pipe - 1) * tokens_mb * s.V * act_b
         stage_memory[name] = Memory(
             weights=weights,
             grads=grads,
             optimizer=optimizer,
             activations=act,
-            transient=transient,
+            logits=_loss_logits(tokens_mb, s.V, tp, act_b) if share.head else 0.0,
+            working_weights=working_weights(params, max(layer_params, emb_params), pp, lay.zero, lay.precision),
+            recompute=0.0 if lay.recompute == "none" else layer_act_none,
             reserved=dev.reserved_gib * GiB,
         )
     memory = max(stage_memory.values(), key=lambda mem: mem.total)
@@ -617,21 +632,25 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
 
     tp_traffic, tp_mb_seconds = _tp_traffic(cluster, s, shares, lay.recompute, tp, tokens_mb, act_b, n_mb)
 
-    # Pipeline: each chunk sends its output forward and its input gradient back, the fp32 residual
-    # stream's sequence slice under tp. Each send sits on the critical path once per micro-batch.
+    # Pipeline: each chunk sends its output forward (unless it is the model's last) and its input
+    # gradient back (unless it is the first): the fp32 residual stream's sequence slice under tp.
+    # With two ranks each sends 2v-1 per micro-batch, a middle rank 2v. Sends sit on the critical path.
     pp_bw, pp_lat = cluster.link(tp * dp * pp)
     hop_bytes = tokens_mb * s.h * RESIDUAL_BYTES / tp
-    pp_mb_seconds = 2 * v * (hop_bytes / pp_bw + pp_lat) if pp > 1 else 0.0
+    sends = (2 * v - 1 if pp == 2 else 2 * v) if pp > 1 else 0
+    pp_mb_seconds = sends * (hop_bytes / pp_bw + pp_lat)
     pp_traffic = Traffic(
-        bytes=n_mb * 2 * v * hop_bytes if pp > 1 else 0.0,
+        bytes=n_mb * sends * hop_bytes,
         seconds=n_mb * pp_mb_seconds,
         exposed_seconds=n_mb * pp_mb_seconds,
-        collectives=[f"send/recv {2 * v} per micro-batch"] if pp > 1 else [],
+        collectives=[f"{sends} sends per micro-batch"] if pp > 1 else [],
     )
 
     mb_seconds = mb_compute + tp_mb_seconds + pp_mb_seconds
     bubble = (pp - 1) / (m_pipe * v) if pp > 1 else 0.0
-    dp_traffic = _dp_traffic(lay, cluster, max(stage_params(s, sh, tp) for sh in shares.values()), n_mb, mb_compute)
+    busiest_share = max(shares.values(), key=lambda sh: stage_params(s, sh, tp))
+    head_params = emb_params + s.h if busiest_share.head else 0.0
+    dp_traffic = _dp_traffic(lay, cluster, stage_params(s, busiest_share, tp), head_params, n_mb, mb_compute)
     step = n_mb * mb_seconds * (1 + bubble) + dp_traffic.exposed_seconds
     tokens = spec.train.global_batch * s.s
     mfu = model_flops_per_token(m) * tokens / (step * cluster.world_size * dev.peak_flops(lay.precision))
@@ -651,6 +670,15 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
         fits=memory.total <= capacity,
         capacity=capacity,
     )
+
+
+def _loss_logits(tokens: int, vocab: int, tp: int, act_b: int) -> float:
+    """Logits alive beside the saved log-probabilities while the loss runs: the gathered logits,
+    each tp rank's vocabulary slice they were gathered from, and their fp32 copy under bf16."""
+    gathered = tokens * vocab * act_b
+    shard = gathered / tp if tp > 1 else 0.0
+    upcast = tokens * vocab * 4 if act_b != 4 else 0.0
+    return gathered + shard + upcast
 
 
 def stage_params(s: Shape, share: RankShare, tp: int) -> float:
@@ -675,7 +703,8 @@ def _tp_traffic(
     Per block and micro-batch, forward all-gathers the fp32 sequence slices twice (attention and MLP
     inputs) and reduce-scatters the matmul outputs twice; backward reduce-scatters the gathered
     inputs' fp32 gradients and all-gathers the outputs' gradients. Recompute replays the forward's
-    gathers (selective: the reduce-scatter outputs are kept) or all four (full). The embedding and
+    gathers (selective: the reduce-scatter outputs are kept), and full recompute the first
+    reduce-scatter too. The embedding and
     the head add a reduce-scatter/all-gather pair each, and the head all-gathers its logits."""
     if tp == 1:
         return Traffic.none(), 0.0
@@ -686,8 +715,10 @@ def _tp_traffic(
         per_layer += hidden * 2 * RESIDUAL_BYTES
         colls += 2
     elif recompute == "full":
-        per_layer += hidden * (2 * RESIDUAL_BYTES + 2 * act_b)
-        colls += 4
+        # The checkpoint stops recomputing once it has rebuilt what backward needs (the down_proj
+        # input), so the block's last reduce-scatter is not replayed.
+        per_layer += hidden * (2 * RESIDUAL_BYTES + act_b)
+        colls += 3
     busiest = max(shares.values(), key=lambda sh: sh.layers + (1 if sh.head else 0))
     ends = int(busiest.embedding) + int(busiest.head)
     mb_bytes = ring(tp) * (
@@ -707,19 +738,22 @@ def _tp_traffic(
     return traffic, mb_seconds
 
 
-def _dp_traffic(lay: LayoutConfig, cluster: Cluster, params: float, n_mb: int, mb_compute: float) -> Traffic:
+def _dp_traffic(
+    lay: LayoutConfig, cluster: Cluster, params: float, head_params: float, n_mb: int, mb_compute: float
+) -> Traffic:
     """Data-parallel traffic of the rank with most parameters, and what of it compute does not hide.
 
     zero 0 all-reduces fp32 gradients once per step (each rank sends 2·(n-1)/n of them), overlapped
     with the last micro-batch's backward when `overlap_grad_reduce` is on. FSDP (zero 1-3)
     reduce-scatters gradients once per step, likewise overlapped, and all-gathers fp32 weights: once
     per accumulation pass (zero 1/2; once per step under a pipeline, whose stage stays gathered) or
-    twice per micro-batch (zero 3: forward, then again for backward). Gathers are prefetched block
-    by block, so they hide under their pass's compute when the link keeps up."""
+    twice per micro-batch (zero 3: forward, then again for backward; the final norm and head, which
+    FSDP keeps whole from forward to backward, once). Gathers are prefetched block by block, so they
+    hide under their pass's compute when the link keeps up."""
     dp = lay.dp
     if dp == 1:
         return Traffic.none()
-    grad_bytes, weight_bytes = params * GRAD_BYTES, params * WEIGHT_BYTES
+    grad_bytes = params * GRAD_BYTES
     bw, lat = cluster.link(lay.tp * dp)
     backward_window = mb_compute * 2 / 3 if lay.overlap_grad_reduce else 0.0
     if lay.zero == 0:
@@ -731,18 +765,18 @@ def _dp_traffic(lay: LayoutConfig, cluster: Cluster, params: float, n_mb: int, m
             collectives=["all-reduce gradients"],
         )
     reduce_s = ring(dp) * grad_bytes / bw + lat
-    gather_s = ring(dp) * weight_bytes / bw + lat
     if lay.zero == 3:
-        gathers, per_pass = 2 * n_mb, 2
+        passes, per_pass = n_mb, 2 * params - head_params
     elif lay.pp > 1:
-        gathers, per_pass = 1, 1
+        passes, per_pass = 1, params
     else:
-        gathers, per_pass = n_mb, 1
-    passes = gathers // per_pass
-    exposed = max(0.0, reduce_s - backward_window) + passes * max(0.0, per_pass * gather_s - mb_compute)
+        passes, per_pass = n_mb, params
+    gather_bytes = ring(dp) * per_pass * WEIGHT_BYTES
+    gather_s = gather_bytes / bw + lat
+    exposed = max(0.0, reduce_s - backward_window) + passes * max(0.0, gather_s - mb_compute)
     return Traffic(
-        bytes=ring(dp) * (grad_bytes + gathers * weight_bytes),
-        seconds=reduce_s + gathers * gather_s,
+        bytes=ring(dp) * grad_bytes + passes * gather_bytes,
+        seconds=reduce_s + passes * gather_s,
         exposed_seconds=exposed,
-        collectives=["reduce-scatter gradients", f"all-gather weights ×{gathers}"],
+        collectives=["reduce-scatter gradients", f"all-gather weights on {passes} passes"],
     )

@@ -229,7 +229,8 @@ def explain(result: PlanResult) -> str:
         f"Step {best.step_seconds:.2f} s, {best.tokens_per_second:,.0f} tokens/s, MFU {best.mfu:.0%}.",
         f"Memory per device {mem.total / GiB:.1f} of {best.capacity / GiB:.0f} GiB: weights {mem.weights / GiB:.1f}, "
         f"gradients {mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}, "
-        f"working buffers {mem.transient / GiB:.1f}, runtime reserve {mem.reserved / GiB:.1f} GiB.",
+        f"logits {mem.logits / GiB:.1f}, gathered and bf16 weight copies {mem.working_weights / GiB:.1f}, "
+        f"recompute {mem.recompute / GiB:.1f}, runtime reserve {mem.reserved / GiB:.1f} GiB.",
         f"Time: compute {best.compute_seconds:.2f} s; tensor-parallel traffic {best.tp.exposed_seconds:.2f} s "
         f"({'within a node' if c.tp <= result.cluster.devices_per_node else 'across nodes'}); "
         f"pipeline bubble {best.bubble_fraction:.1%} and sends {best.pp.exposed_seconds:.2f} s; "
