@@ -164,7 +164,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "global_batch", "grad_accum", "checkpoint_interval", "keep_checkpoints")
         _require(self.lr > 0, "train.lr", f"must be > 0; got {self.lr}")
-        _require(0 <= self.min_lr <= self.lr, "train.min_lr", f"must be between 0 and train.lr={self.lr}; got {self.min_lr}")
+        _require(
+            0 <= self.min_lr <= self.lr, "train.min_lr", f"must be between 0 and train.lr={self.lr}; got {self.min_lr}"
+        )
         _require(
             0 <= self.warmup_steps <= self.steps,
             "train.warmup_steps",
@@ -237,7 +239,9 @@ class RunSpec:
                 "layout.tp",
                 f"must divide model.{name}; got tp={lay.tp}, {name}={value}",
             )
-        _require(m.ffn_dim % lay.tp == 0, "layout.tp", f"must divide model.ffn_dim; got tp={lay.tp}, ffn_dim={m.ffn_dim}")
+        _require(
+            m.ffn_dim % lay.tp == 0, "layout.tp", f"must divide model.ffn_dim; got tp={lay.tp}, ffn_dim={m.ffn_dim}"
+        )
         _require(
             m.vocab_size % lay.tp == 0,
             "layout.tp",
@@ -376,9 +380,12 @@ def _article(name: str) -> str:
 
 
 def tiny(**layout: Any) -> RunSpec:
-    """A model that trains in seconds on a laptop CPU: for tests and the demo."""
+    """A model that trains in seconds on a laptop CPU: for tests and the demo.
+
+    Head size 32 is the smallest vLLM's CPU attention kernels serve, so its exports deploy.
+    """
     return RunSpec(
-        model=ModelConfig(n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=64),
+        model=ModelConfig(n_layers=4, dim=128, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=64),
         layout=LayoutConfig(**layout),
         train=TrainConfig(steps=30, global_batch=8, checkpoint_interval=10),
     )
@@ -397,11 +404,19 @@ def llama_1b(**layout: Any) -> RunSpec:
     """Llama 3.2 1B's shape."""
     return RunSpec(
         model=ModelConfig(
-            n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, vocab_size=128256, seq_len=8192,
-            ffn_dim=8192, rope_theta=500000.0,
+            n_layers=16,
+            dim=2048,
+            n_heads=32,
+            n_kv_heads=8,
+            vocab_size=128256,
+            seq_len=8192,
+            ffn_dim=8192,
+            rope_theta=500000.0,
         ),
         layout=LayoutConfig(**layout),
-        train=TrainConfig(steps=10000, global_batch=512, lr=3e-4, min_lr=3e-5, warmup_steps=200, checkpoint_interval=500),
+        train=TrainConfig(
+            steps=10000, global_batch=512, lr=3e-4, min_lr=3e-5, warmup_steps=200, checkpoint_interval=500
+        ),
     )
 
 
@@ -409,11 +424,19 @@ def llama_8b(**layout: Any) -> RunSpec:
     """Llama 3 8B's shape."""
     return RunSpec(
         model=ModelConfig(
-            n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, vocab_size=128256, seq_len=8192,
-            ffn_dim=14336, rope_theta=500000.0,
+            n_layers=32,
+            dim=4096,
+            n_heads=32,
+            n_kv_heads=8,
+            vocab_size=128256,
+            seq_len=8192,
+            ffn_dim=14336,
+            rope_theta=500000.0,
         ),
         layout=LayoutConfig(**layout),
-        train=TrainConfig(steps=10000, global_batch=1024, lr=3e-4, min_lr=3e-5, warmup_steps=500, checkpoint_interval=500),
+        train=TrainConfig(
+            steps=10000, global_batch=1024, lr=3e-4, min_lr=3e-5, warmup_steps=500, checkpoint_interval=500
+        ),
     )
 
 

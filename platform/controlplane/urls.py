@@ -9,5 +9,6 @@ urlpatterns = [
     path("api/", include("accounts.urls")),
     path("api/", include("runs.urls")),
     path("api/", include("deployments.urls")),
+    path("v1/", include("deployments.openai_urls")),
     path("", include("dashboard.urls")),
 ]

@@ -7,4 +7,9 @@ urlpatterns = [
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", views.runs_page, name="runs-page"),
+    path("runs/new", views.run_new_page, name="run-new-page"),
+    path("runs/<int:run_id>", views.run_page, name="run-page"),
+    path("deployments", views.deployments_page, name="deployments-page"),
+    path("deployments/<int:deployment_id>", views.deployment_page, name="deployment-page"),
+    path("dashboard/sparklines/", views.sparklines, name="dashboard-sparklines"),
 ]

@@ -1,8 +1,99 @@
+"""The dashboard's pages. Each renders a shell; the page's ES module fills it from the REST API
+and the websockets, so the browser and scripts see the same data through the same checks.
+
+Pages that name an object look it up among the caller's own, so another user's run or
+deployment answers 404 here as it does in the API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, render
+
+from dashboard.launch_form import GROUPS
+from deployments.models import Deployment
+from runs.models import Run, RunEvent
+from training.config import RECIPES
+
+# A sparkline is a few dozen pixels wide; more points than this only cost bytes.
+SPARKLINE_POINTS = 60
+# The runs list asks for at most this many sparklines at once (one page of the API's list).
+SPARKLINE_RUNS = 100
 
 
 @login_required
 def runs_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/runs.html")
+    return render(request, "dashboard/runs.html", {"statuses": Run.Status.values})
+
+
+@login_required
+def run_new_page(request: HttpRequest) -> HttpResponse:
+    # The recipes' own values become the placeholders of the form's inputs, so an empty input
+    # visibly means "the recipe's value" and the API fills it in.
+    recipes = {
+        name: {section: values for section, values in make().to_dict().items() if section in ("model", "layout", "train", "nodes")}
+        for name, make in RECIPES.items()
+    }
+    return render(request, "dashboard/run_new.html", {"recipes": recipes, "groups": GROUPS})
+
+
+@login_required
+def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
+    run = get_object_or_404(Run, pk=run_id, owner=request.user)
+    layout = run.spec.get("layout", {})
+    run_page = {
+        "id": run.pk,
+        "status": run.status,
+        "total_steps": run.total_steps,
+        "layout": {dim: int(layout.get(dim, 1)) for dim in ("dp", "tp", "pp")},
+    }
+    return render(request, "dashboard/run.html", {"run": run, "run_page": run_page})
+
+
+@login_required
+def deployment_page(request: HttpRequest, deployment_id: int) -> HttpResponse:
+    deployment = get_object_or_404(
+        Deployment.objects.select_related("checkpoint__run"), pk=deployment_id, owner=request.user
+    )
+    page = {"id": deployment.pk, "status": deployment.status, "model": deployment.served_model_name}
+    return render(request, "dashboard/deployment.html", {"deployment": deployment, "deployment_page": page})
+
+
+@login_required
+def deployments_page(request: HttpRequest) -> HttpResponse:
+    return render(request, "dashboard/deployments.html")
+
+
+@login_required
+def sparklines(request: HttpRequest) -> JsonResponse:
+    """`?runs=1,2,3` → `{"1": [[step, loss], …]}`: each run's loss curve thinned to a sparkline.
+
+    The REST API's run list carries only the last loss; reading every run's event history in
+    the browser to draw a 60-pixel line would move thousands of events per row.
+    """
+    try:
+        ids = [int(part) for part in request.GET.get("runs", "").split(",") if part][:SPARKLINE_RUNS]
+    except ValueError:
+        return JsonResponse({"runs": ["must be a comma-separated list of run ids"]}, status=400)
+    owned = list(Run.objects.filter(owner=request.user, pk__in=ids).values_list("pk", flat=True))
+    curves: dict[int, dict[int, float]] = {pk: {} for pk in owned}
+    rows = (
+        RunEvent.objects.filter(run_id__in=owned, kind="metrics")
+        .order_by("seq")
+        .values_list("run_id", "data__step", "data__loss")
+    )
+    for run_id, step, loss in rows:
+        if isinstance(step, int) and isinstance(loss, (int, float)):
+            curves[run_id][step] = loss  # a step repeated after a restart keeps its latest loss
+    return JsonResponse({str(pk): _thin(sorted(curve.items())) for pk, curve in curves.items()})
+
+
+def _thin(points: list[tuple[int, float]]) -> list[Any]:
+    if len(points) <= SPARKLINE_POINTS:
+        return [list(p) for p in points]
+    stride = len(points) / SPARKLINE_POINTS
+    picked = [points[int(i * stride)] for i in range(SPARKLINE_POINTS - 1)] + [points[-1]]
+    return [list(p) for p in picked]

@@ -31,7 +31,10 @@ def check_served_model_name(name: str) -> str:
 def do_create_deployment(
     owner: Any, checkpoint: Checkpoint, *, name: str, served_model_name: str, replicas: int, options: dict[str, Any]
 ) -> Deployment:
+    from deployments.supervision import check_options
+
     served = check_served_model_name(served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-"))
+    check_options(options, checkpoint.export_path)
     with transaction.atomic():
         deployment = Deployment.objects.create(
             owner=owner, name=name or served, checkpoint=checkpoint, served_model_name=served, replicas=replicas, options=options

@@ -19,8 +19,14 @@ def start_deployment(deployment_id: int) -> str:
     deployment = Deployment.objects.get(pk=deployment_id)
     from deployments import supervision
 
-    pid = supervision.start(deployment)
+    try:
+        pid = supervision.start(deployment)
+    except Exception as exc:  # an export or option failure ends this deployment, with the reason
+        Deployment.objects.filter(pk=deployment_id).update(status=Deployment.Status.FAILED, status_reason=str(exc))
+        services.do_record(deployment, "failed", {"reason": str(exc)})
+        raise
     Deployment.objects.filter(pk=deployment_id).update(supervisor_pid=pid)
+    services.do_record(deployment, "supervisor_started", {"pid": pid})
     return f"supervisor {pid}"
 
 
@@ -50,3 +56,16 @@ def reconcile_deployments() -> int:
                 services.do_record(deployment, "failed", {"reason": "the replica supervisor exited"})
                 failed += 1
     return failed
+
+
+@shared_task
+def sync_deployments() -> int:
+    """Collects replica events, state and metrics of every live deployment; returns how many."""
+    from deployments import supervision
+
+    live = Deployment.objects.filter(
+        status__in=[Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED, Deployment.Status.STOPPING]
+    )
+    for deployment in live:
+        supervision.sync(deployment)
+    return len(live)

@@ -1,9 +1,13 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
+from deployments.openai import playground_chat
 from deployments.views import DeploymentViewSet
 
 router = DefaultRouter(trailing_slash=True)
 router.register("deployments", DeploymentViewSet, basename="deployment")
 
-urlpatterns = [path("", include(router.urls))]
+urlpatterns = [
+    path("deployments/<int:deployment_id>/chat/", playground_chat, name="deployment-chat"),
+    path("", include(router.urls)),
+]

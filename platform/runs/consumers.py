@@ -22,6 +22,8 @@ from runs.models import Run
 # With the in-memory channel layer, events recorded by another process (a Celery worker) are
 # not published to this one; the consumer also polls the database this often to catch them.
 CATCH_UP_SECONDS = 1.0
+# How often rank 0's log file is checked for new lines to stream.
+LOG_POLL_SECONDS = 1.0
 # How long a client that gave no `?after=` has to send `{"after": SEQ}` before history starts.
 HANDSHAKE_SECONDS = 0.5
 
@@ -59,7 +61,7 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if hasattr(self, "group"):
             await self.channel_layer.group_discard(self.group, self.channel_name)
-        for task in (getattr(self, "catch_up", None), getattr(self, "handshake", None)):
+        for task in (getattr(self, "catch_up", None), getattr(self, "handshake", None), getattr(self, "log_tail", None)):
             if task is not None:
                 task.cancel()
 
@@ -73,6 +75,27 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
         await self._send_from_db()
         if "InMemory" in settings.CHANNEL_LAYERS["default"]["BACKEND"]:
             self.catch_up = asyncio.create_task(self._poll())
+        self.log_tail = asyncio.create_task(self._stream_log())
+
+    async def _stream_log(self) -> None:
+        """New lines of rank 0's log, from where the file ended at connect (the API serves the rest)."""
+        path = self.run.folder / "logs" / "rank0.log"
+        offset = path.stat().st_size if path.exists() else 0
+        while True:
+            await asyncio.sleep(LOG_POLL_SECONDS)
+            size = path.stat().st_size if path.exists() else 0
+            if size < offset:
+                offset = 0  # the file was replaced
+            if size <= offset:
+                continue
+            with path.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read(256 * 1024)
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # only whole lines; the rest comes next time
+            if complete:
+                offset += len(complete)
+                lines = complete.decode(errors="replace").splitlines()
+                await self.send_json({"type": "logs", "rank": 0, "lines": lines})
 
     async def _poll(self) -> None:
         while True:

@@ -35,7 +35,9 @@ def api(server, user) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers={"Authorization": f"Token {token}"}, timeout=30)
 
 
-async def follow(server, token: str, run_id: int, after: int = 0, until: str = "succeeded", timeout: float = 400) -> list[dict]:
+async def follow(
+    server, token: str, run_id: int, after: int = 0, until: str = "succeeded", timeout: float = 400, log_lines: list | None = None
+) -> list[dict]:
     """Every event of the run over the websocket, in order, until the `until` event arrives."""
     url = server.url.replace("http", "ws") + f"/ws/runs/{run_id}/?after={after}"
     events: list[dict] = []
@@ -43,8 +45,15 @@ async def follow(server, token: str, run_id: int, after: int = 0, until: str = "
         async with asyncio.timeout(timeout):
             while not any(e["kind"] == until for e in events):
                 message = json.loads(await ws.recv())
-                events.extend(message["events"])
+                if message["type"] == "logs" and log_lines is not None:
+                    log_lines.extend(message["lines"])
+                elif message["type"] == "events":
+                    events.extend(message["events"])
     return events
+
+
+def run_folder(run_id: int) -> Path:
+    return Run.objects.get(pk=run_id).folder
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -65,7 +74,8 @@ def test_a_two_rank_run_trains_streams_live_and_is_exported(alice, live_web, cel
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
 
-    events = asyncio.run(follow(live_web, Token.objects.get(user=alice).key, run_id))
+    streamed_log: list[str] = []
+    events = asyncio.run(follow(live_web, Token.objects.get(user=alice).key, run_id, log_lines=streamed_log))
 
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
     metrics = [e for e in events if e["kind"] == "metrics"]
@@ -82,7 +92,9 @@ def test_a_two_rank_run_trains_streams_live_and_is_exported(alice, live_web, cel
     export = Path(checkpoints[-1]["export_path"])
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {p.name for p in export.iterdir()}
     assert json.loads((export / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-    assert client.get(f"/api/runs/{run_id}/logs/?rank=0").json()["lines"]
+    log_tail = client.get(f"/api/runs/{run_id}/logs/?rank=0").json()["lines"]
+    assert log_tail
+    assert streamed_log and set(streamed_log) <= set(Path(run_folder(run_id), "logs", "rank0.log").read_text().splitlines())
 
 
 @pytest.mark.django_db(transaction=True)

@@ -61,7 +61,7 @@ def test_a_valid_run_is_queued_with_the_recipe_filled_in(alice_api):
     assert run["status"] == "queued"
     assert run["layout"] == "2×1×1"
     assert run["total_steps"] == 7
-    assert run["spec"]["model"]["dim"] == 64  # from the tiny recipe
+    assert run["spec"]["model"]["dim"] == 128  # from the tiny recipe
     assert Run.objects.get(pk=run["id"]).events.get().kind == "queued"
 
 

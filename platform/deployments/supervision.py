@@ -1,0 +1,151 @@
+"""The bridge between deployment rows and `serving`'s detached replica supervisors.
+
+The supervisor process owns the replicas; this module starts and stops it, checks options
+against the checkpoint and the device, and turns its files (events.jsonl, state.json) and the
+replicas' /metrics into the deployment's rows and events.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from django.conf import settings
+from django.db import transaction
+
+from deployments import services
+from deployments.models import Deployment, Replica
+from runs import exports
+from runs.services import InvalidInput
+from serving import metrics as replica_metrics
+from serving.supervisor import DeploymentConfig, launch_detached, read_events, read_state, request_stop
+from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible
+
+# Replica metrics are scraped with this budget each sync; a replica slower than that is skipped
+# this round rather than holding up every other deployment's sync.
+SCRAPE_TIMEOUT_SECONDS = 1.5
+
+
+def device() -> DeviceInfo:
+    return DeviceInfo.local_cpu() if settings.SERVING_DEVICE == "cpu" else DeviceInfo(kind=settings.SERVING_DEVICE)
+
+
+def check_options(options: dict[str, Any], export_path: str = "") -> ReplicaOptions:
+    """Replica options, checked against the device (and the checkpoint once it is exported)."""
+    try:
+        checked = ReplicaOptions.from_dict({"device": settings.SERVING_DEVICE, **options})
+        if export_path:
+            check_compatible(checked, CheckpointInfo.read(export_path), device())
+    except OptionError as exc:
+        raise InvalidInput(f"options.{exc.field}", exc.message) from None
+    except TypeError as exc:
+        raise InvalidInput("options", str(exc)) from None
+    return checked
+
+
+def config_for(deployment: Deployment, export_path: Path) -> DeploymentConfig:
+    options = check_options(deployment.options, str(export_path))
+    return DeploymentConfig(
+        name=deployment.served_model_name,
+        checkpoint=str(export_path),
+        state_dir=str(deployment.folder),
+        python=settings.VLLM_PYTHON,
+        replicas=deployment.replicas,
+        options=options,
+    )
+
+
+def start(deployment: Deployment) -> int:
+    """Exports the checkpoint if needed and starts the deployment's supervisor; returns its pid."""
+    export_path = exports.export(deployment.checkpoint)
+    config = config_for(deployment, export_path)
+    with transaction.atomic():
+        for index in range(deployment.replicas):
+            Replica.objects.get_or_create(deployment=deployment, index=index)
+    return launch_detached(config, python=sys.executable)
+
+
+def stop(deployment: Deployment, timeout: float = 120.0) -> None:
+    """Asks the supervisor to drain and stop its replicas, and waits for it to exit."""
+    if not request_stop(deployment.folder):
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = read_state(deployment.folder)
+        if state is None or all(r.phase == "stopped" for r in state.replicas):
+            return
+        time.sleep(0.5)
+
+
+def sync(deployment: Deployment) -> None:
+    """Stores new replica events, mirrors replica state, scrapes metrics, moves the status."""
+    offset_file = deployment.folder / "events.offset"
+    offset = int(offset_file.read_text()) if offset_file.exists() else 0
+    events, new_offset = read_events(deployment.folder, offset)
+    for event in events:
+        services.do_record(deployment, event.kind, {k: v for k, v in event.to_dict().items() if k not in ("kind", "at")})
+    if new_offset != offset:
+        offset_file.write_text(str(new_offset))
+    state = read_state(deployment.folder)
+    if state is None:
+        return
+    for replica in state.replicas:
+        status = {"ready": Replica.Status.READY, "stopped": Replica.Status.STOPPED}.get(replica.phase, Replica.Status.STARTING)
+        if replica.last_exit_code is not None and replica.phase in ("restarting", "starting"):
+            status = Replica.Status.DEAD if replica.phase == "restarting" else status
+        Replica.objects.filter(deployment=deployment, index=replica.index).update(
+            url=replica.url or "", pid=replica.pid, status=status, restarts=replica.restarts
+        )
+    ready = [r for r in state.replicas if r.phase == "ready" and r.url]
+    if not state.stopping:
+        new_status = (
+            Deployment.Status.READY if len(ready) == len(state.replicas)
+            else Deployment.Status.DEGRADED if ready and deployment.status != Deployment.Status.STARTING
+            else None
+        )
+        if new_status and Deployment.objects.filter(
+            pk=deployment.pk, status__in=[Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
+        ).exclude(status=new_status).update(status=new_status):
+            services.do_record(deployment, "status", {"status": new_status, "ready": len(ready), "replicas": len(state.replicas)})
+    if ready:
+        services.do_record(deployment, "metrics", scrape(deployment.folder, [r.url for r in ready if r.url]))
+
+
+def scrape(folder: Path, urls: list[str]) -> dict[str, Any]:
+    """The deployment's serving metrics now: summed over the ready replicas (KV-cache use and
+    time to first token averaged), tokens/s from the counters' change since the last scrape."""
+    import asyncio
+
+    async def collect() -> list[Any]:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await asyncio.gather(
+                *(replica_metrics.scrape(client, url, SCRAPE_TIMEOUT_SECONDS) for url in urls), return_exceptions=True
+            )
+
+    now = time.time()
+    previous_file = folder / "metrics.previous.json"
+    previous: dict[str, list[float]] = json.loads(previous_file.read_text()) if previous_file.exists() else {}
+    current: dict[str, list[float]] = {}
+    totals = {"running": 0.0, "waiting": 0.0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0, "ttft_p50": None}
+    ttfts: list[float] = []
+    samples = [(url, r) for url, r in zip(urls, asyncio.run(collect()), strict=True) if isinstance(r, replica_metrics.ReplicaMetrics)]
+    for url, sample in samples:
+        totals["running"] += sample.requests_running
+        totals["waiting"] += sample.requests_waiting
+        totals["kv_cache_usage"] += sample.kv_cache_usage / len(samples)
+        current[url] = [now, sample.generation_tokens_total]
+        if url in previous and now > previous[url][0]:
+            before_time, before_total = previous[url]
+            # A counter that went down means the replica restarted: count from zero.
+            made = sample.generation_tokens_total - before_total if sample.generation_tokens_total >= before_total else sample.generation_tokens_total
+            totals["tokens_per_s"] += made / (now - before_time)
+        if sample.ttft_p50_s is not None:
+            ttfts.append(sample.ttft_p50_s)
+    if ttfts:
+        totals["ttft_p50"] = sum(ttfts) / len(ttfts)
+    previous_file.write_text(json.dumps(current))
+    return {**totals, "replicas_scraped": len(samples)}
