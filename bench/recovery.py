@@ -110,7 +110,10 @@ def main() -> None:
         with open(Path(tmp) / "agent.out", "wb") as out:
             agent = subprocess.Popen(
                 [sys.executable, "-m", "training.agent", "--spec", str(spec_path), "--run-dir", str(run_dir)],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         try:
             first = _wait_for(
@@ -157,7 +160,9 @@ def main() -> None:
 
     print(f"step time (median): {step_time * 1000:.0f} ms, checkpoint every {args.checkpoint_interval} steps")
     print(f"crash detection: {', '.join(f'{d * 1000:.0f} ms' for d in crash_detect)}   (target ≤ 200 ms)")
-    print(f"hang detection: {hang_detect:.2f} s with heartbeat_timeout {timeout:.0f} s   (target ≤ {timeout + 1:.0f} s)")
+    print(
+        f"hang detection: {hang_detect:.2f} s with heartbeat_timeout {timeout:.0f} s   (target ≤ {timeout + 1:.0f} s)"
+    )
     print(f"failure → first resumed step: {', '.join(f'{r:.2f} s' for r in recovery)}   (target ≤ 5 s)")
     print(
         f"effective training time: {effective:.1%} with a crash every {args.period:.0f} s; "

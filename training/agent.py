@@ -50,6 +50,7 @@ from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
 from training.rankenv import RankEnvironment
 from training.ranks import (
     RankProcess,
+    RankSlot,
     Standby,
     activate_standby,
     spawn_rank,
@@ -177,14 +178,14 @@ class NodeAgent(SimpleElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         self._attempt = _rendezvous_round(worker_group.spec, fallback=self._restarts)
-        nodes = worker_group.group_world_size
+        nodes = int(worker_group.group_world_size or 0)
         if self._nodes is not None and nodes < self._nodes:
             self.reporter.emit("node_lost", {"nodes_before": self._nodes, "nodes": nodes})
         self._nodes = nodes
         self.reporter.emit(
             "rendezvous",
             {
-                "attempt": self._attempt,
+                "round": self._attempt,  # the job-wide restart count; ranks see it as FATHOM_ATTEMPT
                 "node": self.config.node_rank,
                 "host": socket.gethostname(),
                 "group_rank": worker_group.group_rank,
@@ -198,7 +199,10 @@ class NodeAgent(SimpleElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         world_size = worker_group.workers[0].world_size
         spec = effective_spec(
-            self.spec, world_size=world_size, nodes=worker_group.group_world_size, nproc=len(worker_group.workers)
+            self.spec,
+            world_size=world_size,
+            nodes=int(worker_group.group_world_size or 0),
+            nproc=len(worker_group.workers),
         )
         spec_path = self.config.node_dir / "spec.json"
         tmp = spec_path.with_suffix(".tmp")
@@ -221,16 +225,16 @@ class NodeAgent(SimpleElasticAgent):
                 **_torch_worker_env(worker_group, worker.local_rank, self._restarts),
                 **rank_env.to_environ(),
             }
-            where = {
-                "env": env,
-                "log": self.config.run_dir / "logs" / f"rank{worker.global_rank}.log",
-                "global_rank": worker.global_rank,
-                "local_rank": worker.local_rank,
-                "heartbeat_file": rank_env.heartbeat_file,
-            }
-            rank = activate_standby(self._standbys.pop(0), argv, **where) if self._standbys else None
+            slot = RankSlot(
+                global_rank=worker.global_rank,
+                local_rank=worker.local_rank,
+                env=env,
+                log=self.config.run_dir / "logs" / f"rank{worker.global_rank}.log",
+                heartbeat_file=rank_env.heartbeat_file,
+            )
+            rank = activate_standby(self._standbys.pop(0), argv, slot) if self._standbys else None
             if rank is None:
-                rank = spawn_rank([sys.executable, "-m", self.config.entrypoint, *argv], **where)
+                rank = spawn_rank([sys.executable, "-m", self.config.entrypoint, *argv], slot)
             self._ranks.append(rank)
         self._standbys_due = self.config.warm_standby
         return {r.local_rank: r.pid for r in self._ranks}

@@ -39,6 +39,17 @@ _TRAMPOLINE = (
 )
 
 
+@dataclass(kw_only=True, frozen=True)
+class RankSlot:
+    """Who a rank is and where it writes: decided by the agent after each rendezvous."""
+
+    global_rank: int
+    local_rank: int
+    env: dict[str, str]
+    log: Path  # stdout and stderr, appended
+    heartbeat_file: Path
+
+
 @dataclass(kw_only=True)
 class RankProcess:
     global_rank: int
@@ -120,58 +131,46 @@ def spawn_standby(entrypoint: str, *, env: dict[str, str], log: Path) -> Standby
     return Standby(popen=popen)
 
 
-def activate_standby(
-    standby: Standby,
-    argv: list[str],
-    *,
-    env: dict[str, str],
-    log: Path,
-    global_rank: int,
-    local_rank: int,
-    heartbeat_file: Path,
-) -> RankProcess | None:
-    """Turns `standby` into rank `global_rank`; None if it died before it could take the order."""
+def activate_standby(standby: Standby, argv: list[str], slot: RankSlot) -> RankProcess | None:
+    """Turns `standby` into the rank of `slot`; None if it died before it could take the order."""
     if not standby.alive() or standby.popen.stdin is None:
         return None
-    heartbeat_file.unlink(missing_ok=True)
-    _start_log(log, global_rank, "warm standby")
+    slot.heartbeat_file.unlink(missing_ok=True)  # a beat from the previous attempt is not this rank's
+    _start_log(slot.log, slot.global_rank, "warm standby")
+    order = {"env": slot.env, "argv": argv, "log": str(slot.log)}
     try:
-        standby.popen.stdin.write(json.dumps({"env": env, "argv": argv, "log": str(log)}).encode() + b"\n")
+        standby.popen.stdin.write(json.dumps(order).encode() + b"\n")
         standby.popen.stdin.close()
     except BrokenPipeError:
         standby.discard()
         return None
-    return RankProcess(
-        global_rank=global_rank,
-        local_rank=local_rank,
-        popen=standby.popen,
-        heartbeat_file=heartbeat_file,
-        started_at=time.time(),
-        log=log,
-    )
+    return _rank_process(slot, standby.popen)
 
 
-def spawn_rank(
-    command: list[str], *, env: dict[str, str], log: Path, global_rank: int, local_rank: int, heartbeat_file: Path
-) -> RankProcess:
-    heartbeat_file.unlink(missing_ok=True)  # a beat from the previous attempt is not this rank's
-    _start_log(log, global_rank, "cold")
-    with open(log, "ab") as out:
+def spawn_rank(command: list[str], slot: RankSlot) -> RankProcess:
+    """Starts the rank of `slot` from scratch: `command` is the full argv (python -m …)."""
+    slot.heartbeat_file.unlink(missing_ok=True)
+    _start_log(slot.log, slot.global_rank, "cold")
+    with open(slot.log, "ab") as out:
         popen = subprocess.Popen(
             [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command],
-            env=env,
+            env=slot.env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    return _rank_process(slot, popen)
+
+
+def _rank_process(slot: RankSlot, popen: subprocess.Popen[bytes]) -> RankProcess:
     return RankProcess(
-        global_rank=global_rank,
-        local_rank=local_rank,
+        global_rank=slot.global_rank,
+        local_rank=slot.local_rank,
         popen=popen,
-        heartbeat_file=heartbeat_file,
+        heartbeat_file=slot.heartbeat_file,
         started_at=time.time(),
-        log=log,
+        log=slot.log,
     )
 
 

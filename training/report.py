@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# (kind, time, data, where it was read: (events file, offset after the line) or None)
+Incoming = tuple[str, float, dict[str, Any], tuple[str, int] | None]
+
 
 @dataclass(kw_only=True, frozen=True)
 class ReporterConfig:
@@ -60,7 +63,7 @@ class EventSpool:
             self._note(entry)
         self._file = open(self.path, "ab")  # held open for the reporter's lifetime
 
-    def append(self, entries: list[tuple[str, float, dict[str, Any], tuple[str, int] | None]]) -> None:
+    def append(self, entries: list[Incoming]) -> None:
         """Spools (kind, time, data, tail position) tuples; returns once they are on disk."""
         if not entries:
             return
@@ -213,7 +216,7 @@ class Reporter:
                     chunk = f.read()
             except FileNotFoundError:
                 continue
-            entries = []
+            entries: list[Incoming] = []
             for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):
                 offset += len(line)  # only complete lines: the writer may be mid-line
                 if line.strip():

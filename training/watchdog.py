@@ -91,7 +91,13 @@ class Watchdog:
         return GroupState(failures=failures, succeeded=succeeded)
 
     def _failure(
-        self, rank: RankProcess, last: Beat | None, now: float, *, code: int | None = None, silent_for: float | None = None
+        self,
+        rank: RankProcess,
+        last: Beat | None,
+        now: float,
+        *,
+        code: int | None = None,
+        silent_for: float | None = None,
     ) -> RankFailure:
         if code is None:
             reason: FailureReason = "hung"

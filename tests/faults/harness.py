@@ -59,7 +59,9 @@ class AgentRun:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-            raise AssertionError(f"agent node {self.node_rank} still running after {timeout:.0f} s\n{self.tail()}") from None
+            raise AssertionError(
+                f"agent node {self.node_rank} still running after {timeout:.0f} s\n{self.tail()}"
+            ) from None
 
     def tail(self, lines: int = 60) -> str:
         text = self.output.read_text(errors="replace") if self.output.exists() else ""
@@ -105,9 +107,17 @@ class Agents:
         run_dir.mkdir(parents=True, exist_ok=True)
         spec_path = self.write_spec(spec, f"spec-{run_dir.name}-node{node_rank}.json")
         command = [
-            sys.executable, "-m", "training.agent",
-            "--spec", str(spec_path), "--run-dir", str(run_dir),
-            "--node-rank", str(node_rank), "--entrypoint", self.entrypoint,
+            sys.executable,
+            "-m",
+            "training.agent",
+            "--spec",
+            str(spec_path),
+            "--run-dir",
+            str(run_dir),
+            "--node-rank",
+            str(node_rank),
+            "--entrypoint",
+            self.entrypoint,
         ]
         if rdzv_endpoint:
             command += ["--rdzv-endpoint", rdzv_endpoint, "--local-addr", "127.0.0.1"]
