@@ -526,33 +526,69 @@ def state_bytes(params: float, dp: int, zero: int) -> tuple[float, float, float]
     return params * WEIGHT_BYTES / n, params * GRAD_BYTES / n, params * MOMENT_BYTES / n
 
 
-def working_weights(params: float, unit: float, pp: int, zero: int, precision: Precision) -> float:
+@dataclass(frozen=True, kw_only=True)
+class Implementation:
+    """Trainer behaviours that change the cost of a layout without changing the layout.
+
+    The defaults are Fathom's trainer as measured (tests/planner/calibration.py). `FIXED` is the same
+    trainer with three changes, each a line or two: `schedule.step(..., return_outputs=False)`,
+    FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` in place of autocast
+    over FSDP, and the embedding's gradient kept vocabulary-split under tensor parallelism."""
+
+    # torch's pipeline schedules keep every micro-batch's logits on the last stage to return them.
+    pipeline_keeps_outputs: bool = True
+    # bf16 under FSDP: False = autocast over fp32 gathered weights (fp32 gathers, bf16 copies saved
+    # for backward); True = FSDP gathers bf16 weights and computes on them (no copies).
+    fsdp_bf16_params: bool = False
+    # DTensor's embedding backward returns the vocabulary-split weight's gradient replicated.
+    replicated_embedding_grad: bool = True
+
+    def gathered_weight_bytes(self, precision: Precision) -> float:
+        return 2.0 if (self.fsdp_bf16_params and precision == "bf16") else WEIGHT_BYTES
+
+
+FATHOM = Implementation()
+FIXED = Implementation(pipeline_keeps_outputs=False, fsdp_bf16_params=True, replicated_embedding_grad=False)
+IMPLEMENTATIONS = {"fathom": FATHOM, "fixed": FIXED}
+
+
+def working_weights(
+    params: float, unit: float, pp: int, zero: int, precision: Precision, impl: Implementation = FATHOM
+) -> float:
     """Weight copies alive at the peak, beyond the at-rest shards.
 
-    zero 1/2 keep the whole gathered fp32 stage from forward to backward; zero 3 holds the block
+    zero 1/2 keep the whole gathered stage from forward to backward; zero 3 holds the block
     running and the one prefetched, plus the unsharded gradient of one; under a pipeline, FSDP does
     not reshard after backward until the last micro-batch, so the whole stage is gathered again.
-    bf16 autocast's copies of every weight the rank computes with are saved for backward."""
+    Under bf16 autocast, the bf16 copies of every weight the rank computes with are saved for
+    backward (unless FSDP gathers bf16 weights itself)."""
+    w = impl.gathered_weight_bytes(precision)
     gathered = 0.0
     if zero in (1, 2) or (zero == 3 and pp > 1):
-        gathered = params * WEIGHT_BYTES
+        gathered = params * w
     elif zero == 3:
-        gathered = unit * (2 * WEIGHT_BYTES + GRAD_BYTES)
-    return gathered + (params * 2.0 if precision == "bf16" else 0.0)
+        gathered = unit * (2 * w + GRAD_BYTES)
+    copies = precision == "bf16" and not (impl.fsdp_bf16_params and zero >= 1)
+    return gathered + (params * 2.0 if copies else 0.0)
 
 
 def estimate(
-    model: ModelConfig, cluster: Cluster, global_batch: int, cand: Candidate, precision: Precision = "bf16"
+    model: ModelConfig,
+    cluster: Cluster,
+    global_batch: int,
+    cand: Candidate,
+    precision: Precision = "bf16",
+    impl: Implementation = FATHOM,
 ) -> Estimate | Rejected:
     """The estimate of one candidate, or why the trainer's rules refuse it."""
     try:
         spec = cand.spec(model, cluster, global_batch, precision)
     except SpecError as exc:
         return Rejected(candidate=cand, reason=f"{exc.field}: {exc.message}", field=exc.field)
-    return _estimate(spec, cluster, cand)
+    return _estimate(spec, cluster, cand, impl)
 
 
-def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
+def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate, impl: Implementation) -> Estimate:
     m, lay = spec.model, spec.layout
     s = Shape.of(m)
     dev = cluster.device
@@ -588,7 +624,7 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
         rank = 0 if name == "first" else pp - 1
         params = stage_params(s, share, tp)
         weights, grads, optimizer = state_bytes(params, dp, lay.zero)
-        if share.embedding and tp > 1 and lay.zero == 0:
+        if share.embedding and tp > 1 and lay.zero == 0 and impl.replicated_embedding_grad:
             # DTensor's embedding backward returns the vocabulary-split weight's gradient replicated:
             # every tp rank holds it whole (measured; see tests/planner).
             grads += s.V * s.h * GRAD_BYTES * (1 - 1 / tp)
@@ -603,7 +639,7 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
         if share.head:
             # gpipe keeps every micro-batch's log-probabilities; 1F1B runs each loss's backward at once.
             act += (m_pipe if (pp > 1 and lay.schedule == "gpipe") else 1) * out_act
-            if pp > 1:
+            if pp > 1 and impl.pipeline_keeps_outputs:
                 # torch's schedules keep every micro-batch's logits on the last stage to return them
                 # merged from step() (Fathom does not pass return_outputs=False).
                 act += (m_pipe - 1) * tokens_mb * s.V * act_b
@@ -613,7 +649,7 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
             optimizer=optimizer,
             activations=act,
             logits=_loss_logits(tokens_mb, s.V, tp, act_b) if share.head else 0.0,
-            working_weights=working_weights(params, max(layer_params, emb_params), pp, lay.zero, lay.precision),
+            working_weights=working_weights(params, max(layer_params, emb_params), pp, lay.zero, lay.precision, impl),
             recompute=0.0 if lay.recompute == "none" else layer_act_none,
             reserved=dev.reserved_gib * GiB,
         )
@@ -650,7 +686,15 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate) -> Estimate:
     bubble = (pp - 1) / (m_pipe * v) if pp > 1 else 0.0
     busiest_share = max(shares.values(), key=lambda sh: stage_params(s, sh, tp))
     head_params = emb_params + s.h if busiest_share.head else 0.0
-    dp_traffic = _dp_traffic(lay, cluster, stage_params(s, busiest_share, tp), head_params, n_mb, mb_compute)
+    dp_traffic = _dp_traffic(
+        lay,
+        cluster,
+        stage_params(s, busiest_share, tp),
+        head_params,
+        n_mb,
+        mb_compute,
+        impl.gathered_weight_bytes(lay.precision),
+    )
     step = n_mb * mb_seconds * (1 + bubble) + dp_traffic.exposed_seconds
     tokens = spec.train.global_batch * s.s
     mfu = model_flops_per_token(m) * tokens / (step * cluster.world_size * dev.peak_flops(lay.precision))
@@ -739,7 +783,13 @@ def _tp_traffic(
 
 
 def _dp_traffic(
-    lay: LayoutConfig, cluster: Cluster, params: float, head_params: float, n_mb: int, mb_compute: float
+    lay: LayoutConfig,
+    cluster: Cluster,
+    params: float,
+    head_params: float,
+    n_mb: int,
+    mb_compute: float,
+    weight_bytes: float = WEIGHT_BYTES,
 ) -> Traffic:
     """Data-parallel traffic of the rank with most parameters, and what of it compute does not hide.
 
@@ -771,7 +821,7 @@ def _dp_traffic(
         passes, per_pass = 1, params
     else:
         passes, per_pass = n_mb, params
-    gather_bytes = ring(dp) * per_pass * WEIGHT_BYTES
+    gather_bytes = ring(dp) * per_pass * weight_bytes
     gather_s = gather_bytes / bw + lat
     exposed = max(0.0, reduce_s - backward_window) + passes * max(0.0, gather_s - mb_compute)
     return Traffic(

@@ -19,11 +19,14 @@ from typing import Any, Literal
 from training.config import ModelConfig, Precision, Schedule, SpecError
 from training.layout_costs import (
     DEVICES,
+    FATHOM,
+    IMPLEMENTATIONS,
     MODEL_NAMES,
     Candidate,
     Cluster,
     Estimate,
     GiB,
+    Implementation,
     Rejected,
     estimate,
     model_preset,
@@ -57,8 +60,9 @@ def candidates(model: ModelConfig, cluster: Cluster, global_batch: int) -> Itera
             local = global_batch // dp if global_batch % dp == 0 else 0
             schedules: list[tuple[Schedule, int]] = [("1f1b", 1)]
             if pp > 1:
+                # Uneven splits are allowed: the first stages take one layer more (parallel/dims.py).
                 schedules += [
-                    ("interleaved_1f1b", v) for v in range(2, MAX_STAGES_PER_RANK + 1) if model.n_layers % (pp * v) == 0
+                    ("interleaved_1f1b", v) for v in range(2, MAX_STAGES_PER_RANK + 1) if pp * v <= model.n_layers
                 ]
             for zero in ZERO_STAGES if dp > 1 else (0,):
                 for recompute in ("none", "selective", "full"):
@@ -89,6 +93,7 @@ class PlanResult:
     cluster: Cluster
     global_batch: int
     precision: Precision
+    impl: Implementation
     ranked: list[Estimate]  # layouts that fit, fastest first
     too_big: list[Estimate]  # estimated but over the device's memory
     refused: list[Rejected]  # refused by the run spec's rules
@@ -134,6 +139,7 @@ def plan(
     global_batch: int,
     *,
     precision: Precision = "bf16",
+    impl: Implementation = FATHOM,
     only: Iterable[Candidate] | None = None,
 ) -> PlanResult:
     """Estimates every candidate (or `only` these) and ranks those that fit by step time."""
@@ -141,7 +147,7 @@ def plan(
     too_big: list[Estimate] = []
     refused: list[Rejected] = []
     for cand in only if only is not None else candidates(model, cluster, global_batch):
-        result = estimate(model, cluster, global_batch, cand, precision)
+        result = estimate(model, cluster, global_batch, cand, precision, impl)
         if isinstance(result, Rejected):
             refused.append(result)
         elif result.fits:
@@ -155,6 +161,7 @@ def plan(
         cluster=cluster,
         global_batch=global_batch,
         precision=precision,
+        impl=impl,
         ranked=ranked,
         too_big=too_big,
         refused=refused,
@@ -273,7 +280,7 @@ def _choice(query: Mapping[str, str], name: str, allowed: Iterable[str], default
 
 def plan_query(query: Mapping[str, str]) -> dict[str, Any]:
     """`GET /api/plan?model=70b&nodes=128&gpus_per_node=8&gpu=h100&global_batch=1024[&seq_len=8192]
-    [&precision=bf16][&top=10]`: plain query strings in, a JSON-ready dict out.
+    [&precision=bf16][&trainer=fathom|fixed][&top=10]`: plain query strings in, a JSON-ready dict out.
 
     Raises `SpecError` (with `.field` naming the query parameter) for a bad value."""
     model = model_preset(_choice(query, "model", MODEL_NAMES, "8b"))
@@ -285,7 +292,8 @@ def plan_query(query: Mapping[str, str]) -> dict[str, Any]:
         device=DEVICES[gpu], nodes=_int(query, "nodes", 1), devices_per_node=_int(query, "gpus_per_node", 8)
     )
     precision: Precision = _choice(query, "precision", ("bf16", "fp32"), "fp32" if gpu == "cpu" else "bf16")  # type: ignore[assignment]
-    result = plan(model, cluster, _int(query, "global_batch", None), precision=precision)
+    impl = IMPLEMENTATIONS[_choice(query, "trainer", IMPLEMENTATIONS, "fathom")]
+    result = plan(model, cluster, _int(query, "global_batch", None), precision=precision, impl=impl)
     return result_to_dict(result, top=_int(query, "top", 10))
 
 
@@ -296,6 +304,7 @@ def result_to_dict(result: PlanResult, top: int = 10) -> dict[str, Any]:
         "cluster": {**dataclasses.asdict(c), "world_size": c.world_size},
         "global_batch": result.global_batch,
         "precision": result.precision,
+        "trainer": dataclasses.asdict(result.impl),
         "counts": {"fit": len(result.ranked), "too_big": len(result.too_big), "refused": len(result.refused)},
         "ranked": [e.to_dict() for e in result.ranked[:top]],
         "rejected": result.rejected_summary(),
