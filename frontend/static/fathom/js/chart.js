@@ -1,0 +1,124 @@
+// Line charts on uPlot (vendored under static/vendor, MIT), fed point by point as events arrive,
+// and the small SVG sparklines of the runs list.
+
+import uPlot from "../../vendor/uplot-1.6.32/uPlot.esm.js";
+
+const PALETTE = ["#1f6feb", "#d1242f", "#2e7d32", "#8250df", "#bf8700"];
+
+/**
+ * A chart of one or more series over a shared x (a step, or a time in seconds).
+ * `put(x, [y…])` adds or replaces the point at x; redraws are batched to one per frame.
+ * The container's `data-points` says how many x values the chart holds.
+ */
+export class LineChart {
+  constructor(container, { series, time = false, height = 200, yRange, format = formatNumber }) {
+    this.container = container;
+    this.names = series;
+    this.points = new Map(); // x → [y…]
+    this.sorted = true; // whether every put so far came after the previous largest x
+    this.maxX = -Infinity;
+    this.markers = [];
+    this.pending = false;
+    this.data = [[], ...series.map(() => [])];
+    const opts = {
+      width: Math.max(container.clientWidth, 200),
+      height,
+      scales: { x: { time }, y: yRange ? { range: yRange } : {} },
+      legend: { live: true },
+      cursor: { drag: { x: false, y: false } },
+      series: [
+        { label: time ? "time" : "step", value: (u, v) => (v == null ? "–" : time ? new Date(v * 1000).toLocaleTimeString() : v) },
+        ...series.map((label, i) => ({
+          label,
+          stroke: PALETTE[i % PALETTE.length],
+          width: 2,
+          spanGaps: true,
+          value: (u, v) => (v == null ? "–" : format(v)),
+        })),
+      ],
+      axes: [{}, { values: (u, ticks) => ticks.map(format), size: 60 }],
+      hooks: { draw: [(u) => this.drawMarkers(u)] },
+    };
+    this.plot = new uPlot(opts, this.data, container);
+    this.container.dataset.points = "0";
+    new ResizeObserver(() => {
+      const width = Math.max(this.container.clientWidth, 200);
+      if (width !== this.plot.width) this.plot.setSize({ width, height });
+    }).observe(container);
+  }
+
+  put(x, ys) {
+    if (x == null || !Number.isFinite(x)) return;
+    if (x <= this.maxX) this.sorted = false;
+    this.maxX = Math.max(this.maxX, x);
+    this.points.set(x, ys.map((y) => (typeof y === "number" && Number.isFinite(y) ? y : null)));
+    this.schedule();
+  }
+
+  /** Vertical lines at x values: restarts, checkpoints. `[{x, color, label}]` */
+  setMarkers(markers) {
+    this.markers = markers;
+    this.schedule();
+  }
+
+  schedule() {
+    if (this.pending) return;
+    this.pending = true;
+    requestAnimationFrame(() => this.flush());
+  }
+
+  flush() {
+    this.pending = false;
+    const xs = [...this.points.keys()];
+    if (!this.sorted) xs.sort((a, b) => a - b);
+    this.sorted = true;
+    this.data = [xs, ...this.names.map((_, i) => xs.map((x) => this.points.get(x)[i]))];
+    this.plot.setData(this.data);
+    this.container.dataset.points = String(xs.length);
+  }
+
+  drawMarkers(u) {
+    if (!this.markers.length) return;
+    const { ctx } = u;
+    const { top, height } = u.bbox;
+    ctx.save();
+    ctx.lineWidth = Math.max(1, devicePixelRatio);
+    ctx.setLineDash([4 * devicePixelRatio, 4 * devicePixelRatio]);
+    for (const marker of this.markers) {
+      const x = Math.round(u.valToPos(marker.x, "x", true));
+      if (!Number.isFinite(x) || x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+      ctx.strokeStyle = marker.color;
+      ctx.beginPath();
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, top + height);
+      ctx.stroke();
+    }
+    ctx.restore();
+  }
+}
+
+/** An inline SVG line of `[[x, y], …]`, scaled to its box; empty points give an empty string. */
+export function sparkline(points, { width = 120, height = 28, label = "loss" } = {}) {
+  if (!points || points.length < 2) return "";
+  const xs = points.map((p) => p[0]);
+  const ys = points.map((p) => p[1]);
+  const [x0, x1] = [Math.min(...xs), Math.max(...xs)];
+  const [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  const sx = (x) => (x1 === x0 ? 0 : ((x - x0) / (x1 - x0)) * (width - 2) + 1);
+  const sy = (y) => (y1 === y0 ? height / 2 : height - 1 - ((y - y0) / (y1 - y0)) * (height - 2));
+  const path = points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
+  const title = `${label} from ${formatNumber(ys[0])} to ${formatNumber(ys[ys.length - 1])}`;
+  return (
+    `<svg class="spark" viewBox="0 0 ${width} ${height}" width="${width}" height="${height}" role="img" aria-label="${title}">` +
+    `<title>${title}</title><polyline fill="none" stroke="currentColor" stroke-width="1.5" points="${path}"/></svg>`
+  );
+}
+
+/** Three significant digits, exponent notation for very small or large values. */
+export function formatNumber(v) {
+  if (v == null || !Number.isFinite(v)) return "–";
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e6)) return v.toExponential(2);
+  if (a >= 100) return Math.round(v).toLocaleString("en-US");
+  return Number(v.toPrecision(3)).toString();
+}

@@ -1,0 +1,291 @@
+// The deployment page: replicas and their health, live serving metrics over the deployment's
+// websocket, API keys, and a chat playground that streams the model's answer.
+
+import { api, items } from "./api.js";
+import { streamChat } from "./chat.js";
+import { LineChart } from "./chart.js";
+import { ago, clockTime, h, pageData } from "./dom.js";
+import { LiveEvents } from "./live.js";
+
+const deployment = pageData("deployment-data");
+const $ = (id) => document.getElementById(id);
+const ACTIVE = new Set(["pending", "starting", "ready", "degraded"]);
+
+// --- Replicas ----------------------------------------------------------------------------------
+
+function showDeployment(row) {
+  const badge = $("deployment-status");
+  badge.textContent = row.status;
+  badge.className = `badge status-${row.status}`;
+  badge.dataset.status = row.status;
+  $("deployment-reason").textContent = row.status_reason;
+  $("deployment-reason").hidden = !row.status_reason;
+  $("stop-deployment").hidden = !ACTIVE.has(row.status);
+  const replicas = row.replica_set ?? [];
+  $("replica-grid").replaceChildren(
+    ...(replicas.length ? replicas : Array.from({ length: row.replicas }, (_, index) => ({ index, status: "pending" }))).map((r) =>
+      h(
+        "li",
+        { class: `rank replica-${r.status}`, dataset: { replica: r.index, state: r.status } },
+        h("div", { class: "rank-head" }, h("strong", {}, `Replica ${r.index}`), h("span", { class: "rank-state" }, r.status)),
+        h("div", { class: "muted path" }, r.url || "no address yet"),
+        h("div", {}, `${r.restarts ?? 0} restart${r.restarts === 1 ? "" : "s"}`),
+        r.updated_at ? h("div", { class: "muted" }, `updated ${ago(r.updated_at)}`) : null,
+      ),
+    ),
+  );
+}
+
+let refreshTimer = null;
+function refreshSoon() {
+  clearTimeout(refreshTimer);
+  refreshTimer = setTimeout(refresh, 300);
+}
+
+async function refresh() {
+  try {
+    showDeployment(await api(`/api/deployments/${deployment.id}/`));
+  } catch (exc) {
+    showError($("action-error"), exc);
+  }
+}
+
+$("stop-deployment").addEventListener("click", async (event) => {
+  event.target.disabled = true;
+  try {
+    showDeployment(await api(`/api/deployments/${deployment.id}/stop/`, { method: "POST", json: {} }));
+  } catch (exc) {
+    showError($("action-error"), exc);
+  } finally {
+    event.target.disabled = false;
+  }
+});
+
+function showError(box, exc) {
+  box.textContent = exc ? exc.message : "";
+  box.hidden = !exc;
+}
+
+// --- Live metrics and events -------------------------------------------------------------------
+
+const charts = {
+  tps: new LineChart($("chart-dtps"), { series: ["tokens/s"], time: true }),
+  requests: new LineChart($("chart-requests"), { series: ["running", "waiting"], time: true }),
+  kv: new LineChart($("chart-kv"), { series: ["KV cache %"], time: true, yRange: [0, 100] }),
+  ttft: new LineChart($("chart-ttft"), { series: ["TTFT p50 (s)"], time: true }),
+};
+// A metrics event may describe one replica (`replica` set) or the whole deployment; per-replica
+// samples are combined with the latest sample of every other replica.
+const latestByReplica = new Map();
+
+function first(e, ...names) {
+  for (const name of names) if (typeof e[name] === "number") return e[name];
+  return null;
+}
+
+function onMetrics(e) {
+  const sample = {
+    running: first(e, "running", "requests_running"),
+    waiting: first(e, "waiting", "requests_waiting"),
+    kv: first(e, "kv_cache_usage"),
+    tps: first(e, "tokens_per_s", "generation_tokens_per_s"),
+    ttft: first(e, "ttft_p50", "ttft_p50_s"),
+  };
+  latestByReplica.set(e.replica ?? "all", sample);
+  const all = [...latestByReplica.values()];
+  const sum = (key) => (all.some((s) => s[key] != null) ? all.reduce((t, s) => t + (s[key] ?? 0), 0) : null);
+  const known = (key) => all.map((s) => s[key]).filter((v) => v != null);
+  const kv = known("kv");
+  const ttft = known("ttft");
+  charts.tps.put(e.time, [sum("tps")]);
+  charts.requests.put(e.time, [sum("running"), sum("waiting")]);
+  charts.kv.put(e.time, [kv.length ? (100 * kv.reduce((a, b) => a + b, 0)) / kv.length : null]);
+  charts.ttft.put(e.time, [ttft.length ? Math.max(...ttft) : null]);
+}
+
+function describe(e) {
+  const replica = e.replica != null ? `Replica ${e.replica}` : "";
+  switch (e.kind) {
+    case "created":
+      return `Created with ${e.replicas} replica${e.replicas === 1 ? "" : "s"}`;
+    case "replica_starting":
+      return `${replica} starting`;
+    case "replica_ready":
+      return `${replica} ready`;
+    case "replica_died":
+      return `${replica} died${e.reason ? `: ${e.reason}` : e.exit_code != null ? ` (exit ${e.exit_code})` : ""}`;
+    case "replica_restarting":
+      return `${replica} restarting${e.backoff ? ` in ${Number(e.backoff).toFixed(1)} s` : ""}`;
+    case "replica_stopped":
+      return `${replica} stopped`;
+    default:
+      return [e.kind.replaceAll("_", " "), e.reason].filter(Boolean).join(": ");
+  }
+}
+
+function onEvents(events) {
+  const timeline = $("timeline");
+  let changed = false;
+  for (const e of events) {
+    if (e.kind === "metrics") {
+      onMetrics(e);
+      continue;
+    }
+    changed = true;
+    const bad = e.kind === "replica_died" || e.kind === "failed";
+    timeline.prepend(
+      h(
+        "li",
+        { class: `tl ${bad ? "tl-bad" : e.kind === "replica_ready" ? "tl-ok" : "tl-plain"}`, dataset: { kind: e.kind } },
+        h("time", {}, clockTime(e.time)),
+        h("strong", {}, describe(e)),
+      ),
+    );
+  }
+  if (changed) refreshSoon();
+}
+
+// --- API keys ----------------------------------------------------------------------------------
+
+async function loadKeys() {
+  const keys = items(await api(`/api/deployments/${deployment.id}/keys/`));
+  $("key-list").replaceChildren(
+    ...keys.map((k) =>
+      h(
+        "li",
+        { class: k.revoked ? "muted" : "" },
+        h("code", {}, `${k.lookup}…`),
+        " ",
+        k.name || "unnamed",
+        h("span", { class: "muted" }, ` · created ${ago(k.created_at)}${k.last_used_at ? ` · used ${ago(k.last_used_at)}` : ""}`),
+      ),
+    ),
+  );
+}
+
+$("key-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  showError($("key-error"), null);
+  try {
+    const created = await api(`/api/deployments/${deployment.id}/keys/`, {
+      method: "POST",
+      json: { name: $("key-name").value.trim() },
+    });
+    $("new-key-value").textContent = created.key;
+    $("new-key").hidden = false;
+    $("key-name").value = "";
+    await loadKeys();
+  } catch (exc) {
+    showError($("key-error"), exc);
+  }
+});
+
+$("copy-key").addEventListener("click", async () => {
+  try {
+    await navigator.clipboard.writeText($("new-key-value").textContent);
+    $("copy-key").textContent = "Copied";
+  } catch {
+    // Clipboard access denied: select the key so the reader can copy it by hand.
+    getSelection().selectAllChildren($("new-key-value"));
+  }
+});
+
+// --- Playground --------------------------------------------------------------------------------
+
+const messages = [];
+let controller = null;
+
+function bubble(role, text) {
+  const el = h("div", { class: `msg msg-${role}`, dataset: { role } }, h("span", { class: "visually-hidden" }, `${role}: `), h("span", { class: "msg-text" }, text));
+  $("chat-log").append(el);
+  el.scrollIntoView({ block: "nearest" });
+  return el.querySelector(".msg-text");
+}
+
+function setBusy(busy) {
+  $("chat-send").disabled = busy;
+  $("chat-stop").hidden = !busy;
+}
+
+$("chat-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const input = $("chat-input");
+  const content = input.value.trim();
+  if (!content || controller) return;
+  showError($("chat-error"), null);
+  messages.push({ role: "user", content });
+  bubble("user", content);
+  input.value = "";
+  const answer = bubble("assistant", "");
+  answer.parentElement.dataset.streaming = "true";
+  controller = new AbortController();
+  setBusy(true);
+  const started = performance.now();
+  let firstTokenMs = null;
+  let pieces = 0;
+  try {
+    const result = await streamChat(
+      `/api/deployments/${deployment.id}/chat/`,
+      {
+        model: deployment.model,
+        messages,
+        max_tokens: Number($("chat-max-tokens").value) || 64,
+        temperature: Number($("chat-temperature").value),
+      },
+      {
+        signal: controller.signal,
+        onDelta: (piece) => {
+          firstTokenMs ??= performance.now() - started;
+          pieces += 1;
+          answer.textContent += piece;
+          answer.parentElement.dataset.pieces = String(pieces);
+        },
+      },
+    );
+    messages.push({ role: "assistant", content: result.text });
+    const seconds = (performance.now() - started) / 1000;
+    $("chat-stats").textContent =
+      `${pieces} chunks in ${seconds.toFixed(2)} s; first after ${((firstTokenMs ?? 0) / 1000).toFixed(2)} s` +
+      (result.finishReason ? `; finished: ${result.finishReason}` : "");
+  } catch (exc) {
+    if (exc.name === "AbortError") {
+      messages.push({ role: "assistant", content: answer.textContent });
+      $("chat-stats").textContent = "Stopped.";
+    } else {
+      messages.pop(); // the question was not answered; let the reader send it again
+      showError($("chat-error"), exc);
+    }
+  } finally {
+    answer.parentElement.dataset.streaming = "false";
+    controller = null;
+    setBusy(false);
+  }
+});
+
+$("chat-stop").addEventListener("click", () => controller?.abort());
+$("chat-clear").addEventListener("click", () => {
+  messages.length = 0;
+  $("chat-log").replaceChildren();
+  $("chat-stats").textContent = "";
+});
+$("chat-input").addEventListener("keydown", (event) => {
+  // Enter sends, Shift+Enter adds a line, as in most chat boxes.
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    $("chat-form").requestSubmit();
+  }
+});
+
+// --- Start -------------------------------------------------------------------------------------
+
+function showLiveState(state) {
+  const el = $("live-state");
+  el.dataset.state = state;
+  el.textContent = { connecting: "connecting…", live: "live", reconnecting: "reconnecting…", closed: "not live" }[state];
+}
+
+// The deployment socket replays recent history on every connect and takes no `after`;
+// LiveEvents drops what it already holds by seq.
+new LiveEvents(`/ws/deployments/${deployment.id}/`, onEvents, { resume: false, onState: showLiveState }).start();
+refresh();
+loadKeys().catch((exc) => showError($("key-error"), exc));

@@ -1,0 +1,100 @@
+// The per-rank health grid, derived from a run's events alone: `rendezvous` says which ranks
+// run where, `metrics` how far the group got, `rank_failed` which rank went down and why.
+// Ranks train in lockstep, so the group's step is each running rank's last step.
+
+import { h } from "./dom.js";
+
+const STATE_TEXT = {
+  waiting: "waiting",
+  running: "running",
+  failed: "down",
+  restarting: "restarting",
+  done: "finished",
+  stopped: "stopped",
+};
+
+export class RankGrid {
+  constructor(list, { dp, tp, pp }) {
+    this.list = list;
+    this.dims = { dp, tp, pp };
+    this.ranks = [];
+    this.resize(dp * tp * pp);
+  }
+
+  resize(worldSize) {
+    while (this.ranks.length < worldSize) {
+      this.ranks.push({ rank: this.ranks.length, state: "waiting", host: "", step: null, failures: 0, lastFailure: "" });
+    }
+    this.ranks.length = worldSize;
+  }
+
+  /** Where a rank sits in the (pp, dp, tp) mesh; tp is innermost, as the trainer builds it. */
+  coords(rank) {
+    const { dp, tp } = this.dims;
+    return { tp: rank % tp, dp: Math.floor(rank / tp) % dp, pp: Math.floor(rank / (tp * dp)) };
+  }
+
+  apply(event) {
+    switch (event.kind) {
+      case "rendezvous":
+        if (event.world_size) this.resize(event.world_size);
+        for (const r of event.ranks ?? []) {
+          const rank = this.ranks[r];
+          if (rank) Object.assign(rank, { state: "running", host: event.host ?? rank.host });
+        }
+        return true;
+      case "metrics":
+        for (const rank of this.ranks) if (rank.state === "running") rank.step = event.step;
+        return true;
+      case "rank_failed": {
+        const rank = this.ranks[event.rank];
+        if (!rank) return false;
+        rank.state = "failed";
+        rank.failures += 1;
+        rank.host = event.host ?? rank.host;
+        if (event.last_step != null) rank.step = event.last_step;
+        rank.lastFailure = failureText(event);
+        return true;
+      }
+      case "restarting":
+        for (const rank of this.ranks) if (rank.state === "running") rank.state = "restarting";
+        return true;
+      case "succeeded":
+        for (const rank of this.ranks) if (rank.state !== "failed") rank.state = "done";
+        return true;
+      case "failed":
+      case "cancelled":
+        for (const rank of this.ranks) if (rank.state !== "failed") rank.state = "stopped";
+        return true;
+      default:
+        return false;
+    }
+  }
+
+  render() {
+    this.list.replaceChildren(
+      ...this.ranks.map((r) => {
+        const { dp, tp, pp } = this.coords(r.rank);
+        return h(
+          "li",
+          { class: `rank rank-${r.state}`, dataset: { rank: r.rank, state: r.state, failures: r.failures } },
+          h("div", { class: "rank-head" }, h("strong", {}, `Rank ${r.rank}`), h("span", { class: "rank-state" }, STATE_TEXT[r.state])),
+          h("div", { class: "muted" }, `dp ${dp} · tp ${tp} · pp ${pp}`),
+          h("div", {}, r.host || "host unknown"),
+          h("div", {}, r.step == null ? "no step yet" : `step ${r.step}`),
+          r.failures
+            ? h("div", { class: "rank-failures" }, `${r.failures} failure${r.failures > 1 ? "s" : ""}: ${r.lastFailure}`)
+            : null,
+        );
+      }),
+    );
+  }
+}
+
+export function failureText(event) {
+  const details = [];
+  if (event.signal) details.push(event.signal);
+  else if (event.exit_code != null) details.push(`exit ${event.exit_code}`);
+  if (event.silent_for != null) details.push(`silent ${Number(event.silent_for).toFixed(1)} s`);
+  return `${event.reason ?? "failed"}${details.length ? ` (${details.join(", ")})` : ""}`;
+}

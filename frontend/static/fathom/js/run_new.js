@@ -1,0 +1,240 @@
+// The launch form: uploads or picks a dataset, sends only what the user filled in, and puts
+// each of the API's errors next to its own input, leaving every input as the user left it.
+
+import { ApiError, api, flattenErrors, items } from "./api.js";
+import { h, pageData } from "./dom.js";
+
+const form = document.getElementById("launch-form");
+const recipes = pageData("recipes");
+const recipeSelect = document.getElementById("f-recipe");
+const datasetSelect = document.getElementById("f-dataset");
+const fileInput = document.getElementById("f-file");
+const fileStatus = document.getElementById("f-file-status");
+const summary = document.getElementById("form-errors");
+const planResult = document.getElementById("plan-result");
+const launchButton = document.getElementById("launch");
+const specInputs = [...form.querySelectorAll('[name^="spec."]')];
+
+let uploadedFile = null; // the File object the dataset select currently holds an upload of
+
+// --- Recipe defaults as placeholders ----------------------------------------------------------
+
+function recipeValue(recipe, key) {
+  return key.split(".").reduce((obj, part) => (obj == null ? undefined : obj[part]), recipes[recipe]);
+}
+
+function showRecipeDefaults() {
+  const recipe = recipeSelect.value;
+  for (const input of specInputs) {
+    const key = input.dataset.recipeKey;
+    if (!key) continue;
+    const value = recipeValue(recipe, key);
+    if (input.tagName === "SELECT") {
+      input.options[0].textContent = value === undefined ? "recipe's" : `recipe's (${value})`;
+    } else {
+      input.placeholder = value === undefined ? "" : String(value);
+    }
+  }
+}
+
+// --- Datasets ----------------------------------------------------------------------------------
+
+function datasetLabel(d) {
+  return `${d.name} · ${d.records.toLocaleString()} records · ${d.format}`;
+}
+
+async function loadDatasets(select) {
+  const datasets = items(await api("/api/datasets/"));
+  const current = select ?? datasetSelect.value;
+  datasetSelect.replaceChildren(
+    h("option", { value: "" }, "Built-in demo corpus"),
+    ...datasets.map((d) => h("option", { value: d.id }, datasetLabel(d))),
+  );
+  datasetSelect.value = String(current ?? "");
+}
+
+async function upload() {
+  const file = fileInput.files[0];
+  if (!file) return;
+  clearError("file");
+  fileStatus.textContent = `Uploading ${file.name}…`;
+  const body = new FormData();
+  body.append("file", file);
+  try {
+    const dataset = await api("/api/datasets/", { method: "POST", form: body });
+    uploadedFile = file;
+    await loadDatasets(dataset.id);
+    fileStatus.textContent = `Uploaded ${dataset.name}: ${dataset.records.toLocaleString()} records.`;
+    fileStatus.dataset.datasetId = dataset.id;
+  } catch (exc) {
+    fileStatus.textContent = "";
+    showErrors(exc instanceof ApiError && exc.status === 400 ? exc.data : { file: [exc.message] });
+    throw exc;
+  }
+}
+
+fileInput.addEventListener("change", () => upload().catch(() => {}));
+
+// --- The body sent to the API -------------------------------------------------------------------
+
+function setPath(target, path, value) {
+  const parts = path.split(".");
+  let obj = target;
+  for (const [i, part] of parts.slice(0, -1).entries()) {
+    const nextIsIndex = /^\d+$/.test(parts[i + 1]);
+    obj[part] ??= nextIsIndex ? [] : {};
+    obj = obj[part];
+  }
+  obj[parts[parts.length - 1]] = value;
+}
+
+/** The run body, or `{errors}` for inputs the browser could not read as numbers. */
+function readForm() {
+  const body = { recipe: recipeSelect.value };
+  const errors = [];
+  const name = form.elements.namedItem("name").value.trim();
+  if (name) body.name = name;
+  body.dataset = datasetSelect.value ? Number(datasetSelect.value) : null;
+  const faultChosen = form.elements.namedItem("spec.faults.0.kind").value !== "";
+  for (const input of specInputs) {
+    if (input.name.startsWith("spec.faults.") && !faultChosen) continue;
+    if (input.validity?.badInput) {
+      errors.push({ path: input.name, message: "must be a number" });
+      continue;
+    }
+    const raw = input.value.trim();
+    if (raw === "") continue;
+    const kind = input.dataset.kind;
+    // Numbers go as numbers, even malformed ones (2.5 for a degree): the API says what is wrong.
+    const value = kind === "choice" ? (/^-?\d+$/.test(raw) ? Number(raw) : raw) : Number(raw);
+    setPath(body, input.name, value);
+  }
+  return { body, errors };
+}
+
+// --- Errors next to their inputs ----------------------------------------------------------------
+
+function errorSlot(path) {
+  // An error on "spec.faults.0" (the whole item) or on a section lands on its first input.
+  let probe = path;
+  while (probe) {
+    const slot = form.querySelector(`[data-error-for="${CSS.escape(probe)}"]`);
+    if (slot) return slot;
+    const prefix = form.querySelector(`[data-error-for^="${CSS.escape(probe)}."]`);
+    if (prefix) return prefix;
+    probe = probe.includes(".") ? probe.slice(0, probe.lastIndexOf(".")) : "";
+  }
+  return null;
+}
+
+function clearError(path) {
+  const slot = form.querySelector(`[data-error-for="${CSS.escape(path)}"]`);
+  if (!slot) return;
+  slot.hidden = true;
+  slot.textContent = "";
+  form.elements.namedItem(path)?.removeAttribute("aria-invalid");
+}
+
+function clearErrors() {
+  for (const slot of form.querySelectorAll("[data-error-for]")) clearError(slot.dataset.errorFor);
+  summary.hidden = true;
+  summary.querySelector("ul").replaceChildren();
+}
+
+/** Shows every error next to its input (and in the summary); returns the first input to fix. */
+function showErrors(data) {
+  const errors = Array.isArray(data) && data.every((e) => e && typeof e === "object" && "path" in e) ? data : flattenErrors(data);
+  const list = summary.querySelector("ul");
+  let first = null;
+  for (const { path, message } of errors) {
+    const slot = errorSlot(path);
+    const input = slot ? form.elements.namedItem(slot.dataset.errorFor) : null;
+    if (slot) {
+      slot.textContent = slot.hidden ? message : `${slot.textContent} ${message}`;
+      slot.hidden = false;
+      input?.setAttribute("aria-invalid", "true");
+      const details = slot.closest("details");
+      if (details) details.open = true;
+      first ??= input;
+    }
+    const label = input ? form.querySelector(`label[for="${input.id}"]`)?.textContent : path;
+    const text = `${label || "Run"}: ${message}`;
+    list.append(h("li", {}, input ? h("a", { href: `#${input.id}` }, text) : text));
+  }
+  summary.hidden = errors.length === 0;
+  return first;
+}
+
+// --- Launch -------------------------------------------------------------------------------------
+
+form.addEventListener("submit", async (event) => {
+  event.preventDefault();
+  clearErrors();
+  launchButton.disabled = true;
+  launchButton.textContent = "Launching…";
+  try {
+    if (fileInput.files[0] && fileInput.files[0] !== uploadedFile) await upload();
+    const { body, errors } = readForm();
+    if (errors.length) {
+      (showErrors(errors) ?? summary).focus();
+      return;
+    }
+    const run = await api("/api/runs/", { method: "POST", json: body });
+    location.assign(`/runs/${run.id}`);
+  } catch (exc) {
+    const data = exc instanceof ApiError && exc.status === 400 ? exc.data : [{ path: "", message: exc.message }];
+    const first = showErrors(data);
+    (first ?? summary).focus();
+  } finally {
+    launchButton.disabled = false;
+    launchButton.textContent = "Launch run";
+  }
+});
+
+// --- Check layout (the planner) -----------------------------------------------------------------
+
+document.getElementById("check-layout").addEventListener("click", async () => {
+  clearErrors();
+  const { body, errors } = readForm();
+  if (errors.length) {
+    showErrors(errors)?.focus();
+    return;
+  }
+  const query = new URLSearchParams({ recipe: body.recipe, spec: JSON.stringify(body.spec ?? {}) });
+  planResult.replaceChildren(h("p", { class: "muted" }, "Checking the layout…"));
+  try {
+    const plan = await api(`/api/plan/?${query}`);
+    planResult.replaceChildren(renderPlan(plan));
+  } catch (exc) {
+    if (exc instanceof ApiError && exc.status === 404) {
+      planResult.replaceChildren(
+        h("p", { class: "notice", dataset: { planner: "missing" } },
+          "The layout planner is not available on this server yet. Launching still checks the layout: " +
+          "any problem with it shows next to its input."),
+      );
+    } else if (exc instanceof ApiError && exc.status === 400) {
+      planResult.replaceChildren();
+      showErrors(exc.data)?.focus();
+    } else {
+      planResult.replaceChildren(h("p", { class: "error" }, `The planner failed: ${exc.message}`));
+    }
+  }
+});
+
+/** The planner's answer as a definition list (its exact shape is the planner's to choose). */
+function renderPlan(plan) {
+  const list = h("dl", { class: "plan-list" });
+  const add = (key, value) => {
+    list.append(h("dt", {}, key), h("dd", {}, typeof value === "object" && value !== null ? JSON.stringify(value) : String(value)));
+  };
+  if (plan && typeof plan === "object" && !Array.isArray(plan)) for (const [k, v] of Object.entries(plan)) add(k, v);
+  else add("plan", plan);
+  return h("div", {}, h("h2", {}, "Layout check"), list);
+}
+
+recipeSelect.addEventListener("change", showRecipeDefaults);
+for (const input of form.querySelectorAll("input, select")) {
+  input.addEventListener("input", () => input.name && clearError(input.name));
+}
+showRecipeDefaults();
+loadDatasets().catch((exc) => showErrors({ dataset: [`could not list datasets: ${exc.message}`] }));

@@ -1,0 +1,91 @@
+// The run's timeline: everything but the metrics stream, newest first, each item saying what
+// happened in words. Items carry `data-kind` so a reader (or a test) can find restarts.
+
+import { clockTime, h } from "./dom.js";
+import { failureText } from "./ranks.js";
+
+// The newest items kept on the page; a long run's older history stays in the API.
+const MAX_ITEMS = 300;
+
+const IMPORTANCE = {
+  rank_failed: "bad",
+  failed: "bad",
+  export_failed: "bad",
+  node_lost: "bad",
+  restarting: "warn",
+  cancel_requested: "warn",
+  cancelled: "warn",
+  checkpoint: "info",
+  exported: "info",
+  resumed: "ok",
+  succeeded: "ok",
+};
+
+export function describe(e) {
+  switch (e.kind) {
+    case "queued":
+      return ["Queued", e.resume ? "to resume from the latest checkpoint" : ""];
+    case "status":
+      return [`Status: ${e.status}`, e.reason ?? ""];
+    case "agent_started":
+      return ["Node agent started", `node ${e.node ?? 0} on ${e.host ?? "?"}, ${e.nproc ?? "?"} ranks`];
+    case "rendezvous":
+      return ["Ranks joined", `attempt ${e.attempt ?? 0}: node ${e.node ?? 0} on ${e.host ?? "?"}, ranks ${(e.ranks ?? []).join(", ")} of ${e.world_size ?? "?"}`];
+    case "rank_failed":
+      return [`Rank ${e.rank} failed`, `${failureText(e)} on ${e.host ?? "?"}${e.last_step != null ? `, last step ${e.last_step}` : ""}`];
+    case "restarting":
+      return [
+        "Restarting",
+        `from checkpoint step ${e.from_step ?? 0}${e.reason ? ` (${e.reason})` : ""}` +
+          `${e.restarts_left != null ? `, ${e.restarts_left} restarts left` : ""}` +
+          `${e.backoff ? `, after ${Number(e.backoff).toFixed(1)} s` : ""}`,
+      ];
+    case "resumed":
+      return ["Resumed", `from the checkpoint of step ${e.step}`];
+    case "checkpoint":
+      return ["Checkpoint", `step ${e.step}`];
+    case "node_lost":
+      return ["Node lost", `${e.nodes_before} → ${e.nodes} nodes`];
+    case "cancel_requested":
+      return ["Cancel requested", ""];
+    case "cancelled":
+      return ["Cancelled", e.reason ?? (e.step != null ? `last checkpoint step ${e.step}` : "")];
+    case "succeeded":
+      return ["Succeeded", e.step != null ? `final checkpoint step ${e.step}` : ""];
+    case "failed":
+      return ["Failed", e.reason ?? ""];
+    case "exported":
+      return ["Exported", `step ${e.step} to Hugging Face format`];
+    case "export_failed":
+      return ["Export failed", `step ${e.step}: ${e.reason ?? ""}`];
+    case "finished":
+      return ["Training finished", `step ${e.step}`];
+    default:
+      return [e.kind.replaceAll("_", " "), ""];
+  }
+}
+
+export class Timeline {
+  constructor(list) {
+    this.list = list;
+  }
+
+  add(events) {
+    const items = events
+      .filter((e) => e.kind !== "metrics")
+      .map((e) => {
+        const [title, detail] = describe(e);
+        return h(
+          "li",
+          { class: `tl tl-${IMPORTANCE[e.kind] ?? "plain"}`, dataset: { kind: e.kind, seq: e.seq } },
+          h("time", { datetime: new Date(e.time * 1000).toISOString() }, clockTime(e.time)),
+          h("strong", {}, title),
+          detail ? h("span", { class: "tl-detail" }, detail) : null,
+        );
+      })
+      .reverse();
+    if (!items.length) return;
+    this.list.prepend(...items);
+    while (this.list.children.length > MAX_ITEMS) this.list.lastElementChild.remove();
+  }
+}
