@@ -226,12 +226,12 @@ def num_params(m: ModelConfig) -> int:
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token used for MFU: 6 per matmul weight (the embedding lookup is not a
-    matmul) plus 12·L·h·s for attention scores and values, counted as if not causal. The same
-    convention as `training.model.flops_per_token`, PaLM's appendix B and NVIDIA's published
-    Llama 3.1 MFU figures, so MFUs compare."""
+    """Training FLOPs per token used for MFU: 6 per weight except the embedding (a lookup, not a
+    matmul) plus 12·L·h·s for attention scores and values, counted as if not causal. Exactly
+    `training.model.flops_per_token`, so the planner's MFU is the one the trainer reports; NVIDIA's
+    published Llama 3.1 MFUs use the same formula without the norm weights (< 0.01 % apart)."""
     s = Shape.of(m)
-    return 6.0 * (s.L * s.layer_matmul_params() + s.V * s.h) + 12.0 * s.L * s.h * s.s
+    return 6.0 * (num_params(m) - s.V * s.h) + 12.0 * s.L * s.h * s.s
 
 
 # --- Activations ----------------------------------------------------------------------------------
@@ -249,6 +249,8 @@ class Saved:
     kind: "act" is a matmul or attention output, in the compute precision (2 bytes under bf16
     autocast, 4 in fp32); "fp32" is the residual stream, the norms and softmax statistics.
     with_tp: exists only when tp > 1 (a reduce-scatter's output).
+    autocast_copies: how many bf16 copies autocast makes of it under bf16 (it casts an fp32 input
+    once per matmul that reads it, and caches casts of weights only).
     """
 
     name: str
@@ -256,12 +258,14 @@ class Saved:
     kind: Kind
     per_token: float  # elements
     with_tp: bool = False
+    autocast_copies: int = 1
 
     def bytes_per_token(self, tp: int, act_bytes: int) -> float:
         if self.with_tp and tp == 1:
             return 0.0
         width = 4 if self.kind == "fp32" else act_bytes
-        return self.per_token * width / (1 if self.split == "gathered" else tp)
+        copies = self.autocast_copies if act_bytes == 2 else 1
+        return copies * self.per_token * width / (1 if self.split == "gathered" else tp)
 
 
 def layer_saved(s: Shape) -> list[Saved]:
@@ -270,14 +274,16 @@ def layer_saved(s: Shape) -> list[Saved]:
     the block is RMSNorm + GQA + SwiGLU, attention is fused (no s² score matrix is kept: the output
     and its log-sum-exp are), the o_proj input is the attention output itself (same storage), and
     RMSNorm saves its fp32 input and normalised tensor. Per token, tp = t:
-    (2·4h + 2·4h)/t bytes of norms, 2h·β gathered projection inputs, (2h + 2h·k/a + 4f)·β/t.
+    (2·4h + 2·4h)/t bytes of norms, 2h·β gathered projection inputs (5h·β under bf16 autocast, which
+    casts the fp32 norm output once for each of q, k, v, gate and up), (2h + 2h·k/a + 4f)·β/t. Under
+    bf16, autocast's casts of the rotary tables (4·seq·head_dim per block) are left out: < 1 %.
     """
     h, f, a = s.h, s.f, s.a
     return [
         Saved("attention norm input", "sequence", "fp32", h),
         Saved("attention norm 1/rms", "sequence", "fp32", 1),
         Saved("attention norm normalised", "sequence", "fp32", h),
-        Saved("q/k/v projection input (gathered sequence)", "gathered", "act", h),
+        Saved("q/k/v projection input (gathered sequence)", "gathered", "act", h, autocast_copies=3),
         Saved("q after rotary", "heads", "act", h),
         Saved("k and v", "heads", "act", 2 * h * s.kv),
         Saved("attention output = o_proj input", "heads", "act", h),
@@ -285,7 +291,7 @@ def layer_saved(s: Shape) -> list[Saved]:
         Saved("MLP norm input", "sequence", "fp32", h),
         Saved("MLP norm 1/rms", "sequence", "fp32", 1),
         Saved("MLP norm normalised", "sequence", "fp32", h),
-        Saved("gate/up projection input (gathered sequence)", "gathered", "act", h),
+        Saved("gate/up projection input (gathered sequence)", "gathered", "act", h, autocast_copies=2),
         Saved("gate output, silu(gate), up output, down input", "heads", "act", 4 * f),
     ]
 
