@@ -122,9 +122,9 @@ class TrafficCounter(TorchDispatchMode):
     def _ranks(self, args: Iterable[Any]) -> frozenset[int] | None:
         for a in args:
             if isinstance(a, str):
-                try:
-                    pg = dist.distributed_c10d._resolve_process_group(a)
-                except Exception:
+                try:  # a functional collective names its group
+                    pg = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]
+                except Exception:  # a string argument that is not a group name
                     continue
                 return frozenset(dist.get_process_group_ranks(pg))
             if isinstance(a, torch.ScriptObject):

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from training.config import ModelConfig
+from training.config import ModelConfig, Schedule
 from training.layout_costs import (
     DEVICES,
     FATHOM,
@@ -146,13 +146,13 @@ def test_pipeline_bubble_is_stages_minus_one_over_micro_batches_divided_by_virtu
     m = model_preset("8b")
     cluster = Cluster(device=DEVICES["h100"], nodes=4, devices_per_node=8)  # 32 devices
 
-    def bubble(pp: int, schedule: str, v: int, mb: int) -> float:
+    def bubble(pp: int, schedule: Schedule, v: int, mb: int) -> float:
         cand = Candidate(
             dp=32 // pp, tp=1, pp=pp, zero=0, recompute="full", micro_batch=mb, schedule=schedule, stages_per_rank=v
-        )  # type: ignore[arg-type]
-        return ok(estimate(m, cluster, 32 * 8 // pp * pp // 4, cand)).bubble_fraction
+        )
+        return ok(estimate(m, cluster, 64, cand)).bubble_fraction
 
-    # 32 devices, pp 4, dp 8, global batch 64: 8 sequences per replica.
+    # 32 devices, global batch 64: with pp 4, dp 8 and 8 sequences per replica.
     assert bubble(4, "1f1b", 1, 1) == pytest.approx(3 / 8)
     assert bubble(4, "interleaved_1f1b", 2, 1) == pytest.approx(3 / 16)
     assert bubble(4, "gpipe", 1, 2) == pytest.approx(3 / 4)
