@@ -30,6 +30,14 @@ def test_sigterm_cancels_the_run_stops_its_ranks_and_keeps_the_last_checkpoint(a
     assert [read_beat(b) for b in beats] == before  # no rank is left beating
 
 
+def test_a_cancel_file_in_the_run_folder_cancels_the_run(agents: Agents, tmp_path: Path) -> None:
+    run = agents.start(training_spec(steps=400, checkpoint_interval=4), tmp_path / "run")
+    wait_for(lambda: bool(run.of_kind("metrics")), 120, "the first step")
+    (run.run_dir / "cancel").touch()
+    assert run.wait(timeout=60) == ExitCode.CANCELLED, run.tail()
+    assert run.events[-1]["kind"] == "cancelled"
+
+
 def test_a_rank_that_keeps_failing_fails_the_run_after_the_restart_budget(agents: Agents, tmp_path: Path) -> None:
     spec = training_spec(nodes={"max_restarts": 2}, faults=[{"kind": "kill_rank", "rank": 0, "step": 1, "once": False}])
     run = agents.run(spec, tmp_path / "run")
