@@ -44,6 +44,8 @@ def build_hooks(spec: RunSpec, rank: int, world_size: int) -> list[TrainHook]:
     if spec.faults:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         hooks.append(
-            FaultHook(spec.faults, rank=rank, local_rank=local_rank, node_rank=env.node_rank, markers_dir=env.faults_dir)
+            FaultHook(
+                spec.faults, rank=rank, local_rank=local_rank, node_rank=env.node_rank, markers_dir=env.faults_dir
+            )
         )
     return hooks
