@@ -27,7 +27,7 @@ import websockets
 
 REPO = Path(__file__).resolve().parents[1]
 POINTS_PER_SECOND = 1000
-BATCH = 20  # points per POST; a reporter shipping every 20 ms
+BATCH = 50  # points per POST: a reporter shipping every 50 ms
 SECONDS = 10
 
 

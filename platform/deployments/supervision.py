@@ -8,6 +8,7 @@ replicas' /metrics into the deployment's rows and events.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,7 @@ def check_options(options: dict[str, Any], export_path: str = "") -> ReplicaOpti
 
 def config_for(deployment: Deployment, export_path: Path) -> DeploymentConfig:
     options = check_options(deployment.options, str(export_path))
+    cores = os.cpu_count() or 1
     return DeploymentConfig(
         name=deployment.served_model_name,
         checkpoint=str(export_path),
@@ -56,6 +58,10 @@ def config_for(deployment: Deployment, export_path: Path) -> DeploymentConfig:
         python=settings.VLLM_PYTHON,
         replicas=deployment.replicas,
         options=options,
+        # On CPU, vLLM's "auto" binding pins every replica to the same first core; spread them.
+        cpu_binds=tuple(str(i % cores) for i in range(deployment.replicas))
+        if options.device == "cpu" and options.cpu_threads_bind == "auto"
+        else (),
     )
 
 

@@ -1,6 +1,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
+from runs.plan import PlanView
 from runs.views import CheckpointViewSet, DatasetViewSet, RunEventsView, RunViewSet
 
 router = DefaultRouter(trailing_slash=True)
@@ -10,5 +11,6 @@ router.register("checkpoints", CheckpointViewSet, basename="checkpoint")
 
 urlpatterns = [
     path("runs/<int:run_id>/events/", RunEventsView.as_view(), name="run-events"),
+    path("plan/", PlanView.as_view(), name="plan"),
     path("", include(router.urls)),
 ]

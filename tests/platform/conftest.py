@@ -141,18 +141,23 @@ def purge_broker() -> None:
 
 
 class CeleryWorker:
-    def __init__(self, log: Path, public_url: str) -> None:
+    def __init__(self, log: Path, public_url: str, beat: bool = False) -> None:
         self.log = log
         self.public_url = public_url
+        self.beat = beat
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
+        # With beat, periodic tasks run as in production, on short intervals so tests stay quick.
+        extra = ["-B", "--schedule", str(self.log.with_suffix(".beat"))] if self.beat else []
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=solo", "--loglevel=INFO",
-                 "--without-gossip", "--without-mingle", "--without-heartbeat"],
+                [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=threads", "--concurrency=4",
+                 "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat", *extra],
                 cwd=REPO / "platform",
-                env=process_env(FATHOM_PUBLIC_URL=self.public_url),
+                env=process_env(
+                    FATHOM_PUBLIC_URL=self.public_url, FATHOM_DEPLOYMENT_SYNC_INTERVAL="1", FATHOM_RECONCILE_INTERVAL="5"
+                ),
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
@@ -172,6 +177,15 @@ def celery_worker(transactional_db, tmp_path) -> Iterator[CeleryWorker]:
     # Messages left by earlier tests name rows that no longer exist (or ids reused since).
     purge_broker()
     worker = CeleryWorker(tmp_path / "worker.log", settings.PUBLIC_URL)
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
+def celery_worker_with_beat(transactional_db, tmp_path) -> Iterator[CeleryWorker]:
+    purge_broker()
+    worker = CeleryWorker(tmp_path / "worker.log", settings.PUBLIC_URL, beat=True)
     worker.start()
     yield worker
     worker.stop()

@@ -180,3 +180,19 @@ def test_ingest_rejects_a_malformed_batch_naming_the_field(client, alice_api):
     response = ingest(client, run_id, token, [{"seq": 0, "kind": "metrics"}])
     assert response.status_code == 400
     assert "greater than or equal to 1" in response.json()["events"]["0"]["seq"][0]
+
+
+def test_the_planner_ranks_layouts_for_a_cluster(alice_api):
+    response = alice_api.get("/api/plan/?model=8b&nodes=2&gpus_per_node=8&gpu=h100&global_batch=64&top=3")
+    assert response.status_code == 200, response.content
+    plan = response.json()
+    assert len(plan["ranked"]) == 3
+    assert plan["explanation"]
+    assert plan["cluster"]["world_size"] == 16
+
+
+def test_the_planner_names_a_bad_query_parameter(alice_api):
+    response = alice_api.get("/api/plan/?model=8b&gpu=tpu&global_batch=64")
+    assert response.status_code == 400
+    assert "h100" in response.json()["gpu"][0]
+    assert "required" in alice_api.get("/api/plan/?model=8b").json()["global_batch"][0]
