@@ -106,17 +106,19 @@ DEVICES: dict[str, Device] = {
         inter_node_gbps=22,
         matmul_efficiency=0.7,
     ),
-    # One CPU rank per core with gloo over loopback. Figures measured on Fathom's 2-core dev machine
-    # by `python -m training.calibrate`; rerun it and pass the JSON with --device-file elsewhere.
+    # One CPU rank per core with gloo over loopback, as `python -m training.calibrate --ranks 2`
+    # measured on Fathom's 2-core development machine (shared, so the link figures are noisy);
+    # rerun it elsewhere and pass the JSON with --device-file. Tiny models on CPU are dominated by
+    # per-op overhead, so step times here are optimistic; memory and traffic are what is calibrated.
     "cpu": Device(
         name="CPU core (gloo)",
-        memory_gib=4,
-        peak_tflops_bf16=0.01,
-        peak_tflops_fp32=0.05,
-        intra_node_gbps=1.0,
-        inter_node_gbps=0.1,
-        intra_node_latency_us=100,
-        inter_node_latency_us=300,
+        memory_gib=11.8,
+        peak_tflops_bf16=0.12,
+        peak_tflops_fp32=0.045,
+        intra_node_gbps=0.98,
+        inter_node_gbps=0.98,
+        intra_node_latency_us=270,
+        inter_node_latency_us=270,
         reserved_gib=0.3,
         matmul_efficiency=0.5,
     ),

@@ -103,3 +103,29 @@ def test_the_committed_report_is_what_the_command_writes() -> None:
     assert (REPO / "docs" / "planning.md").read_text() == text, (
         "run: python -m training.plan report --write docs/planning.md"
     )
+
+
+def test_a_measured_cpu_device_file_drives_the_planner(tmp_path: Path) -> None:
+    device_file = tmp_path / "cpu.json"
+    env_cmd = [sys.executable, "-m", "training.calibrate", "--ranks", "2", "--out", str(device_file)]
+    proc = subprocess.run(env_cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    measured = json.loads(device_file.read_text())
+    assert measured["peak_tflops_fp32"] > 0 and measured["intra_node_gbps"] > 0
+    planned = run_plan(
+        "--model",
+        "tiny",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--device-file",
+        str(device_file),
+        "--precision",
+        "fp32",
+        "--global-batch",
+        "8",
+        "--json",
+    )
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["cluster"]["device"]["name"] == measured["name"]
