@@ -4,6 +4,7 @@
 import uPlot from "../../vendor/uplot-1.6.32/uPlot.esm.js";
 
 const PALETTE = ["#1f6feb", "#d1242f", "#2e7d32", "#8250df", "#bf8700"];
+const STEP_INCREMENTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
 
 /**
  * A chart of one or more series over a shared x (a step, or a time in seconds).
@@ -36,7 +37,8 @@ export class LineChart {
           value: (u, v) => (v == null ? "–" : format(v)),
         })),
       ],
-      axes: [{}, { values: (u, ticks) => ticks.map(format), size: 60 }],
+      // Steps are whole numbers: no tick at step 1.5.
+      axes: [time ? {} : { incrs: STEP_INCREMENTS }, { values: (u, ticks) => ticks.map(format), size: 60 }],
       hooks: { draw: [(u) => this.drawMarkers(u)] },
     };
     this.plot = new uPlot(opts, this.data, container);

@@ -1,0 +1,147 @@
+"""A user launches and follows a training run in the browser, against real processes throughout:
+daphne, a Celery worker, node agents and gloo ranks. Nothing is faked."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import Locator, Page, expect
+
+from tests.e2e.conftest import ConsoleWatch, log_in, screenshot
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+STORY = "\n".join(
+    f"{name} walked to the {place} and counted {n} {thing} before the rain."
+    for n, (name, place, thing) in enumerate(
+        [(a, b, c) for a in ("Ada", "Bruno", "Chiara", "Dmitri") for b in ("harbour", "mill", "library") for c in ("pears", "kites", "lanterns")]
+    )
+)
+# A run on two ranks trains in well under a minute here; the limit only stops a hang.
+RUN_TIMEOUT_MS = 400_000
+
+# Records every value the loss chart's point count takes, from the moment the page loads,
+# so the test can tell points that arrived live from a curve drawn once at the end.
+RECORD_LOSS_POINTS = """
+window.lossPointCounts = [];
+document.addEventListener("DOMContentLoaded", () => {
+  const chart = document.getElementById("chart-loss");
+  if (!chart) return;
+  const note = () => window.lossPointCounts.push(Number(chart.dataset.points || 0));
+  note();
+  new MutationObserver(note).observe(chart, { attributes: true, attributeFilter: ["data-points"] });
+});
+"""
+
+
+def field(page: Page, label: str) -> Locator:
+    return page.get_by_label(label, exact=True)
+
+
+def fill_in(page: Page, label: str, value: str) -> None:
+    field(page, label).fill(value)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bad_value_shows_the_apis_message_next_to_its_input_and_keeps_every_other_input(
+    alice, live_web, browser_page: Page, console: ConsoleWatch
+):
+    page = browser_page
+    console.allow_http_error("/api/runs/", 400)
+    log_in(page, live_web.url, "alice", "alice-password-1")
+    page.get_by_role("link", name="New run").first.click()
+    fill_in(page, "Name", "three-way split")
+    fill_in(page, "Data parallel (dp)", "1")
+    fill_in(page, "Tensor parallel (tp)", "3")
+    fill_in(page, "Steps", "12")
+    fill_in(page, "Learning rate", "0.002")
+    field(page, "Activation recompute").select_option("full")
+    page.get_by_role("button", name="Launch run").click()
+
+    tp = field(page, "Tensor parallel (tp)")
+    error = page.locator('[data-error-for="spec.layout.tp"]')
+    expect(error).to_have_text("must divide model.n_heads; got tp=3, n_heads=4")
+    expect(tp).to_have_attribute("aria-invalid", "true")
+    expect(tp).to_be_focused()
+    assert error.get_attribute("id") in tp.get_attribute("aria-describedby").split()
+    # Nothing the user typed is lost, and no other input claims an error.
+    assert field(page, "Name").input_value() == "three-way split"
+    assert tp.input_value() == "3"
+    assert field(page, "Steps").input_value() == "12"
+    assert field(page, "Learning rate").input_value() == "0.002"
+    assert field(page, "Activation recompute").input_value() == "full"
+    assert page.locator(".field-error:not([hidden])").count() == 1
+    assert page.url.endswith("/runs/new")
+
+    # Fixing the value clears its error as the user types.
+    fill_in(page, "Tensor parallel (tp)", "2")
+    expect(error).to_be_hidden()
+    console.assert_clean()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_launched_from_the_form_draws_its_loss_live_and_shows_the_restart_after_a_killed_rank(
+    alice, live_web, celery_worker, browser_page: Page, console: ConsoleWatch, tmp_path
+):
+    page = browser_page
+    page.add_init_script(RECORD_LOSS_POINTS)
+    log_in(page, live_web.url, "alice", "alice-password-1")
+    page.get_by_role("link", name="New run").first.click()
+
+    corpus = tmp_path / "stories.txt"
+    corpus.write_text(STORY)
+    field(page, "Or upload a .txt or .jsonl file").set_input_files(str(corpus))
+    expect(page.locator("#f-file-status")).to_contain_text("Uploaded stories.txt")
+    expect(field(page, "Use a dataset")).to_contain_text("stories.txt")
+
+    fill_in(page, "Name", "survives a kill")
+    fill_in(page, "Data parallel (dp)", "2")
+    fill_in(page, "Steps", "8")
+    fill_in(page, "Global batch (sequences)", "4")
+    fill_in(page, "Checkpoint every (steps)", "2")
+    page.locator("summary", has_text="Inject a fault").click()
+    field(page, "Fault").select_option("kill_rank")
+    fill_in(page, "On rank", "1")
+    fill_in(page, "At step", "3")
+    page.get_by_role("button", name="Launch run").click()
+
+    page.wait_for_url(f"{live_web.url}/runs/*")
+    expect(page.get_by_role("heading", name="survives a kill")).to_be_visible()
+    expect(page.locator("#stat-layout")).to_have_text("2×1×1")
+    expect(page.locator("#rank-grid li")).to_have_count(2)
+
+    # rank 1 dies at step 3: the timeline shows the failure and the restart while it happens.
+    restart = page.locator('#timeline li[data-kind="restarting"]')
+    expect(restart).to_be_visible(timeout=RUN_TIMEOUT_MS)
+    expect(restart).to_contain_text("from checkpoint step 2")
+    expect(page.locator('#timeline li[data-kind="rank_failed"]')).to_contain_text("Rank 1 failed")
+    screenshot(page, "run-page-restarting.png")
+
+    expect(page.locator("#run-status")).to_have_attribute("data-status", "succeeded", timeout=RUN_TIMEOUT_MS)
+    loss = page.locator("#chart-loss")
+    expect(loss).to_have_attribute("data-points", "8")
+    counts = page.evaluate("window.lossPointCounts")
+    assert counts[0] == 0, counts  # the page opened before the first step...
+    assert any(0 < c < 8 for c in counts), counts  # ...and drew a partial curve before the last
+    assert counts == sorted(counts), counts  # points were only ever added, never redrawn from scratch
+    assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # no reload
+
+    rank1 = page.locator('#rank-grid li[data-rank="1"]')
+    expect(rank1).to_have_attribute("data-failures", "1")
+    expect(rank1).to_contain_text("1 failure")
+    expect(page.locator("#stat-restarts")).to_have_text("1")
+    expect(page.locator("#stat-step")).to_have_text("8")
+    expect(page.locator('#timeline li[data-kind="resumed"]')).to_contain_text("step 2")
+    expect(page.locator("#checkpoint-rows tr")).to_have_count(4)
+    expect(page.locator("#log-tail")).not_to_have_text("")
+    expect(page.get_by_role("button", name="Cancel")).to_be_hidden()
+    screenshot(page, "run-page.png")
+
+    page.get_by_role("link", name="Runs").first.click()
+    row = page.locator('#runs-body tr[data-status="succeeded"]')
+    expect(row).to_contain_text("survives a kill")
+    expect(row).to_contain_text("8/8")
+    expect(row.locator("svg.spark")).to_be_visible()
+    page.get_by_role("checkbox", name="failed").check()
+    expect(page.locator("#runs-body tr")).to_have_count(0)
+    assert "status=failed" in page.url
+    console.assert_clean()
