@@ -1,8 +1,8 @@
 """`make run`: Fathom on one machine with no external service.
 
 Migrates the SQLite database, creates (once) and prints the admin login, then runs the web
-process (daphne: HTTP + websockets), a Celery worker and Celery beat until Ctrl-C. With
-FATHOM_DEMO=1 it also launches the demo training run and, when that succeeds, deploys its
+process (daphne: HTTP + websockets), a Celery worker and Celery beat until Ctrl-C. Unless
+FATHOM_DEMO=0, it also launches the demo training run and, when that succeeds, deploys its
 final checkpoint to a vLLM replica and prints how to chat with it.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 PORT = int(os.environ.get("FATHOM_PORT", "8000"))
 URL = f"http://127.0.0.1:{PORT}"
 
@@ -60,7 +61,7 @@ def main() -> None:
     ]
     wait_for_web(processes[0])
     print(f"\nFathom is up at {URL}/\n  {login}\n  API docs: {URL}/api/docs/\nPress Ctrl-C to stop.")
-    if os.environ.get("FATHOM_DEMO") == "1":
+    if os.environ.get("FATHOM_DEMO", "1") != "0":
         from tools.demo import run_demo
 
         run_demo(URL, login)

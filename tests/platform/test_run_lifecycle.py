@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from rest_framework.authtoken.models import Token
 
 from runs.models import Run
 from runs.tasks import LAUNCH_GRACE, reconcile_runs
+from tests.platform.conftest import REPO, process_env
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +132,28 @@ def test_restarting_the_web_process_mid_run_leaves_no_gap_in_the_history(alice, 
     history = client.get(f"/api/runs/{run_id}/events/").json()
     assert [e["seq"] for e in history] == list(range(1, len(history) + 1))
     assert [e["data"]["step"] for e in history if e["kind"] == "metrics"] == list(range(1, 31))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_cli_creates_watches_and_reports_a_run(alice, live_web, celery_worker, tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 3}}))
+    out = subprocess.run(
+        [sys.executable, "manage.py", "fathom", "runs", "create", "--spec", str(spec), "--user", "alice", "--watch"],
+        cwd=REPO, env=process_env(), capture_output=True, text=True, timeout=400,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "queued" in out.stdout
+    assert "succeeded" in out.stdout.splitlines()[-1]
+    assert "6/6" in out.stderr  # tqdm's progress bar reached the last step
+
+
+def test_the_cli_names_the_bad_field(tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"layout": {"tp": 3}}))
+    out = subprocess.run(
+        [sys.executable, "manage.py", "fathom", "runs", "create", "--spec", str(spec), "--user", "nobody"],
+        cwd=REPO, env=process_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "--user: no user named 'nobody'" in out.stderr
