@@ -454,6 +454,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _is_loopback(endpoint: str) -> bool:
+    host = endpoint.rsplit(":", 1)[0]
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -468,7 +473,9 @@ def _build(args: argparse.Namespace, spec: RunSpec) -> tuple[AgentConfig, Report
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
         host_store=args.host_store == "yes" or (args.host_store == "auto" and (single or args.node_rank == 0)),
-        local_addr=args.local_addr or ("127.0.0.1" if single else None),
+        # All agents of a run on one machine (a loopback endpoint) reach each other on loopback;
+        # elsewhere the host's FQDN is what torch advertises unless --local-addr says otherwise.
+        local_addr=args.local_addr or ("127.0.0.1" if single or _is_loopback(args.rdzv_endpoint) else None),
         run_id=args.run_id or run_dir.name,
         entrypoint=args.entrypoint,
         warm_standby=not args.no_standby,

@@ -120,7 +120,7 @@ class Agents:
             self.entrypoint,
         ]
         if rdzv_endpoint:
-            command += ["--rdzv-endpoint", rdzv_endpoint, "--local-addr", "127.0.0.1"]
+            command += ["--rdzv-endpoint", rdzv_endpoint]
         if events_url:
             command += ["--events-url", events_url, "--run-token", run_token or ""]
         command += list(extra)
