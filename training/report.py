@@ -51,7 +51,10 @@ class ReporterConfig:
 class EventSpool:
     """Append-only JSON lines, fsync'd per append; recovers its counters from its own content."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, track_unacked: bool = True) -> None:
+        # Without a control plane nothing is ever acknowledged; keeping every event of a long
+        # run in memory for nobody would only grow the agent.
+        self._track_unacked = track_unacked
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / "spool.jsonl"
         self._acked_path = directory / "acked"
@@ -97,7 +100,7 @@ class EventSpool:
         if "tail" in entry:
             name, offset = entry["tail"]
             self.tail_offsets[name] = offset
-        if entry["seq"] > self.acked:
+        if self._track_unacked and entry["seq"] > self.acked:
             self.unacked.append(entry)
 
     def _read_all(self) -> list[dict[str, Any]]:
@@ -120,7 +123,7 @@ def wire(entry: dict[str, Any]) -> dict[str, Any]:
 class Reporter:
     def __init__(self, config: ReporterConfig) -> None:
         self.config = config
-        self.spool = EventSpool(config.spool_dir)
+        self.spool = EventSpool(config.spool_dir, track_unacked=config.events_url is not None)
         # emit() runs on the agent's thread, tailing on ours; re-entrant because emit tails first.
         self._lock = threading.RLock()
         self._stop = threading.Event()
