@@ -96,7 +96,10 @@ def probe_memory(recompute: str, work_dir: Path) -> None:
 def measure_memory(recompute: str, work_dir: Path) -> float:
     out = subprocess.run(
         [sys.executable, "-m", "bench.train_throughput", "--probe-memory", recompute, "--work-dir", str(work_dir)],
-        check=True, capture_output=True, text=True, timeout=600,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"])
 
@@ -125,7 +128,10 @@ def main(argv: list[str] | None = None) -> None:
             if step > 1:
                 fathom.append(f)
                 plain_times.append(p)
-            print(f"step {step}: fathom {f[0]:.2f} s wall {f[1]:.2f} s cpu, plain {p[0]:.2f} s wall {p[1]:.2f} s cpu", flush=True)
+            print(
+                f"step {step}: fathom {f[0]:.2f} s wall {f[1]:.2f} s cpu, plain {p[0]:.2f} s wall {p[1]:.2f} s cpu",
+                flush=True,
+            )
         peak = measure_matmul_peak(seconds=2.0, clock=time.thread_time)
         tokens = spec.train.global_batch * spec.model.seq_len
         fathom_tps = tokens / statistics.median(cpu for _, cpu in fathom)
@@ -134,7 +140,9 @@ def main(argv: list[str] | None = None) -> None:
         plain_wall_tps = tokens / statistics.median(wall for wall, _ in plain_times)
         mfu = fathom_tps * flops_per_token(spec.model) / peak
         memory = {mode: measure_memory(mode, work_dir) for mode in ("none", "full")}
-    print(f"model: small recipe, {spec.model.num_params() / 1e6:.1f}M parameters, batch {spec.train.global_batch} × seq {spec.model.seq_len}")
+    print(
+        f"model: small recipe, {spec.model.num_params() / 1e6:.1f}M parameters, batch {spec.train.global_batch} × seq {spec.model.seq_len}"
+    )
     print(
         f"fathom trainer: {fathom_tps:,.0f} tokens per CPU-second ({fathom_wall_tps:,.0f} tokens/s wall); "
         f"plain loop: {plain_tps:,.0f} ({plain_wall_tps:,.0f} wall); ratio {fathom_tps / plain_tps:.3f} (target ≥ 0.95)"

@@ -49,7 +49,12 @@ def launch(spec: RunSpec, run_dir: Path, timeout: float = 600.0) -> list[dict[st
     log = run_dir / "log.txt"
     with log.open("w") as out:
         result = subprocess.run(
-            command, cwd=REPO_ROOT, env=rank_environment(events_file), stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+            command,
+            cwd=REPO_ROOT,
+            env=rank_environment(events_file),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
         )
     if result.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
@@ -82,7 +87,9 @@ def parity_spec(steps: int = 5, **layout: Any) -> RunSpec:
 
 def reference_spec(spec: RunSpec) -> RunSpec:
     """The same run on one process: same model, data, seed and global batch; no parallelism."""
-    return RunSpec.from_dict({**spec.to_dict(), "layout": {"precision": spec.layout.precision}, "nodes": {}, "faults": []})
+    return RunSpec.from_dict(
+        {**spec.to_dict(), "layout": {"precision": spec.layout.precision}, "nodes": {}, "faults": []}
+    )
 
 
 @dataclass(frozen=True)
@@ -117,8 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", type=Path, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     spec = parity_spec(
-        args.steps, dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, recompute=args.recompute,
-        schedule=args.schedule, stages_per_rank=args.stages_per_rank,
+        args.steps,
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        zero=args.zero,
+        recompute=args.recompute,
+        schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank,
     )
     with tempfile.TemporaryDirectory(prefix="fathom-parity-") as tmp:
         parity = check_parity(spec, args.work_dir or Path(tmp))

@@ -188,9 +188,7 @@ class Checkpointer:
         self.pending: _PendingSave | None = None
         # dcp.async_save's collectives run on a background thread; sharing the default group with
         # FSDP's collectives on the main thread hangs or corrupts messages, so it gets its own group.
-        self.async_group = (
-            dist.new_group(backend="gloo") if spec.train.async_checkpoint and self.distributed else None
-        )
+        self.async_group = dist.new_group(backend="gloo") if spec.train.async_checkpoint and self.distributed else None
 
     def _state_dict(self) -> dict[str, Any]:
         model: dict[str, Any] = {}

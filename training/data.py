@@ -108,7 +108,7 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int) -
         "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    special_map = {k: v for k, v in special.items() if v is not None}
+    special_map: dict[str, Any] = {k: v for k, v in special.items() if v is not None}
     special_map["additional_special_tokens"] = [IM_START, IM_END]
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
@@ -121,11 +121,13 @@ def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
 
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    missing = [token for token, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"{tokenizer_dir}/tokenizer.json lacks the special tokens {missing}")
-    return {token: int(i) for token, i in ids.items()}
+    ids: dict[str, int] = {}
+    for token in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{tokenizer_dir}/tokenizer.json lacks the special token {token}")
+        ids[token] = token_id
+    return ids
 
 
 # --- Preparation ----------------------------------------------------------------------------

@@ -42,7 +42,9 @@ def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != spec.layout.world_size:
-        raise SystemExit(f"the spec's layout needs dp·tp·pp = {spec.layout.world_size} ranks; torchrun started {world_size}")
+        raise SystemExit(
+            f"the spec's layout needs dp·tp·pp = {spec.layout.world_size} ranks; torchrun started {world_size}"
+        )
     # Before the process group: tokenizing a large corpus may take longer than any collective timeout.
     data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, run_dir / "data")
     if world_size > 1:

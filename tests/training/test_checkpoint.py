@@ -83,7 +83,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_bitwise(tiny_data: DataC
     assert read_metadata(checkpoint_path(tmp_path / "resumed", 6))["sampler"]["consumed"] == 6 * spec.train.global_batch
 
 
-def test_a_finished_run_that_is_started_again_only_reports_it_is_finished(tiny_data: DataConfig, tmp_path: Path) -> None:
+def test_a_finished_run_that_is_started_again_only_reports_it_is_finished(
+    tiny_data: DataConfig, tmp_path: Path
+) -> None:
     spec = spec_for(tiny_data, steps=2, interval=2)
     launch(spec, tmp_path, TIMEOUT)
     again = launch(spec, tmp_path, TIMEOUT)

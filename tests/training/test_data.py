@@ -62,7 +62,10 @@ def test_windows_give_inputs_and_next_token_targets() -> None:
 
 def test_jsonl_datasets_take_text_and_chat_messages(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
-    rows = [{"text": "plain words"}, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    rows = [
+        {"text": "plain words"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     docs = list(iter_documents(path))
     assert docs[0] == "plain words"

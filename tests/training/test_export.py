@@ -51,7 +51,9 @@ def test_the_export_loads_in_transformers_with_fathoms_logits(checkpoint: Path, 
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-def test_the_exported_tokenizer_round_trips_text_and_renders_the_chat_template(checkpoint: Path, tmp_path: Path) -> None:
+def test_the_exported_tokenizer_round_trips_text_and_renders_the_chat_template(
+    checkpoint: Path, tmp_path: Path
+) -> None:
     out = export(checkpoint, tmp_path / "hf")
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.decode(tokenizer(PROMPTS[0])["input_ids"]) == PROMPTS[0]
@@ -70,6 +72,7 @@ def test_a_bfloat16_export_stores_bfloat16_weights(checkpoint: Path, tmp_path: P
     assert llama.config.dtype == torch.bfloat16
     assert llama.model.embed_tokens.weight.dtype == torch.bfloat16
     _, fathom = load_model(checkpoint)
+    assert fathom.lm_head is not None
     assert torch.equal(llama.lm_head.weight, fathom.lm_head.weight.to(torch.bfloat16))
 
 

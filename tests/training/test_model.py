@@ -67,4 +67,4 @@ def test_recompute_changes_neither_the_loss_nor_the_gradients(cfg: ModelConfig, 
         losses.append(loss.item())
     assert losses[0] == losses[1]
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad), name
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad), name

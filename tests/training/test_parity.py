@@ -40,7 +40,9 @@ def test_data_parallel_matches_one_process(reference: dict[int, float], tiny_dat
     assert_parity({"dp": 2}, reference, tiny_data, tmp_path)
 
 
-def test_tensor_parallel_matches_one_process(reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path) -> None:
+def test_tensor_parallel_matches_one_process(
+    reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path
+) -> None:
     assert_parity({"tp": 2}, reference, tiny_data, tmp_path)
 
 
@@ -69,7 +71,9 @@ def test_interleaved_1f1b_with_two_stages_per_rank_matches_one_process(
 
 
 @pytest.mark.slow
-def test_data_and_tensor_parallel_match_one_process(reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path) -> None:
+def test_data_and_tensor_parallel_match_one_process(
+    reference: dict[int, float], tiny_data: DataConfig, tmp_path: Path
+) -> None:
     assert_parity({"dp": 2, "tp": 2}, reference, tiny_data, tmp_path)
 
 

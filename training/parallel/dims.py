@@ -51,8 +51,12 @@ class ParallelDims:
     @classmethod
     def from_layout(cls, layout: LayoutConfig, world_size: int) -> ParallelDims:
         return cls(
-            dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world_size,
-            zero=layout.zero, stages_per_rank=layout.stages_per_rank,
+            dp=layout.dp,
+            tp=layout.tp,
+            pp=layout.pp,
+            world_size=world_size,
+            zero=layout.zero,
+            stages_per_rank=layout.stages_per_rank,
         )
 
     @property

@@ -28,6 +28,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     _PipelineSchedule,
 )
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from training.config import Schedule
 from training.model import Transformer
@@ -58,7 +59,7 @@ def build_schedule(
     microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> _PipelineSchedule:
-    stages = [
+    stages: list[_PipelineStageBase] = [
         PipelineStage(part, stage_id, num_stages, device=torch.device("cpu"), group=pp_group)
         for part, stage_id in zip(parts, stage_ids, strict=True)
     ]

@@ -54,4 +54,3 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }
         parallelize_module(block, tp_mesh, block_plan)  # type: ignore[arg-type]
-
