@@ -128,7 +128,12 @@ class HttpBackend:
             "POST", f"{self.url}{path}", content=body, headers={"content-type": "application/json"}
         )
         try:
-            response = await self._client.send(request, stream=True)
+            try:
+                response = await self._client.send(request, stream=True)
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                # Most often a pooled keep-alive connection the replica closed just as it was
+                # reused; one retry on a fresh connection tells that from a dead replica.
+                response = await self._client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
             # No response head: the replica generated nothing for this request.
             raise BackendUnavailable(f"{self.url}: {exc!r}") from exc
@@ -176,7 +181,9 @@ class Router:
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(timeouts.read_s, connect=timeouts.connect_s),
             # Every stream holds a connection; the default pool of 100 would queue the 101st.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            # keepalive_expiry under uvicorn's 5 s keep-alive timeout (vLLM's server): reusing a
+            # connection the server is closing at that instant fails the request.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=3.0),
             trust_env=False,
         )
         self._factory = backend_factory or (lambda e, c: HttpBackend(e.key, e.url, c))
