@@ -508,7 +508,10 @@ class RankShare:
 
 
 def rank_shares(s: Shape, pp: int, stages_per_rank: int) -> dict[str, RankShare]:
-    """The first and last pipeline ranks, which bound memory (most in flight / the head) and time."""
+    """The first and last pipeline ranks, which bound memory (most in flight / the head) and time.
+
+    The split is `training.parallel.dims.stage_layers`' (contiguous, extras to the first stages),
+    written again because importing `training.parallel` loads torch; a test keeps the two equal."""
     n_stages = pp * stages_per_rank
     base, extra = divmod(s.L, n_stages)
 

@@ -221,3 +221,15 @@ def test_the_fixes_shrink_what_fathoms_trainer_holds() -> None:
     assert as_is.stage_memory["last"].activations - fixed.stage_memory["last"].activations == pytest.approx(kept)
     assert fixed.dp.bytes < as_is.dp.bytes  # bf16 gathers
     assert dataclasses.replace(FIXED) == FIXED
+
+
+def test_stage_split_is_the_trainers() -> None:
+    from training.parallel.dims import ParallelDims, stage_layers
+
+    s = Shape.of(model_preset("405b"))
+    for pp, v in ((2, 1), (4, 1), (8, 2), (16, 7)):
+        layers = stage_layers(s.L, pp * v)
+        dims = ParallelDims(dp=1, tp=1, pp=pp, world_size=pp, stages_per_rank=v)
+        shares = rank_shares(s, pp, v)
+        assert shares["first"].layers == sum(len(layers[i]) for i in dims.stage_ids(0))
+        assert shares["last"].layers == sum(len(layers[i]) for i in dims.stage_ids(pp - 1))
