@@ -129,3 +129,9 @@ def test_a_measured_cpu_device_file_drives_the_planner(tmp_path: Path) -> None:
     )
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["cluster"]["device"]["name"] == measured["name"]
+
+
+def test_the_planner_imports_without_torch_so_the_control_plane_can_call_it() -> None:
+    code = "import sys, training.planner, training.plan; assert 'torch' not in sys.modules, 'torch was imported'"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
