@@ -22,6 +22,7 @@ class PlanView(APIView):
             OpenApiParameter("global_batch", int, required=True),
             OpenApiParameter("seq_len", int),
             OpenApiParameter("precision", str, description="bf16 or fp32"),
+            OpenApiParameter("trainer", str, description="fathom (as the trainer is) or fixed"),
             OpenApiParameter("top", int),
         ],
         responses=dict,
