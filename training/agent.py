@@ -59,7 +59,7 @@ from training.ranks import (
     wait_for_exit,
 )
 from training.report import Reporter, ReporterConfig
-from training.watchdog import Watchdog, WatchdogConfig
+from training.watchdog import RankFailure, Watchdog, WatchdogConfig
 
 logger = logging.getLogger("fathom.agent")
 
@@ -288,6 +288,9 @@ class NodeAgent(SimpleElasticAgent):
                 kind="cancelled" if cancelled else "failed",
                 data={"reason": f"rendezvous: {type(exc).__name__}: {exc}"},
             )
+        except Exception as exc:  # e.g. the store's host vanished mid-run: report it, don't just die
+            logger.exception("agent failed")
+            outcome = Outcome(code=ExitCode.FAILED, kind="failed", data={"reason": f"{type(exc).__name__}: {exc}"})
         finally:
             stop_ranks(self._ranks, sig=signal.SIGKILL, grace=0.0)
             self._discard_standbys()
@@ -340,7 +343,7 @@ class NodeAgent(SimpleElasticAgent):
                     # A node (re)joined: re-form the group with it; not a failure, costs no restart.
                     self._restart(f"{waiting} node(s) waiting to join", backoff=0.0)
 
-    def _handle_failures(self, failures: list[Any]) -> None:
+    def _handle_failures(self, failures: list[RankFailure]) -> None:
         for failure in failures:
             logger.warning("rank %s %s (pid %s, exit %s)", failure.rank, failure.reason, failure.pid, failure.exit_code)
             self.reporter.emit("rank_failed", failure.as_event(), when=failure.detected_at)
