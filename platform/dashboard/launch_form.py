@@ -51,7 +51,9 @@ GROUPS = [
             Input(path="spec.layout.tp", label="Tensor parallel (tp)"),
             Input(path="spec.layout.pp", label="Pipeline stages (pp)"),
             Input(path="spec.layout.zero", label="ZeRO stage", kind="choice", choices=(0, 1, 2, 3)),
-            Input(path="spec.layout.recompute", label="Activation recompute", kind="choice", choices=get_args(Recompute)),
+            Input(
+                path="spec.layout.recompute", label="Activation recompute", kind="choice", choices=get_args(Recompute)
+            ),
             Input(path="spec.layout.schedule", label="Pipeline schedule", kind="choice", choices=get_args(Schedule)),
             Input(path="spec.layout.microbatches", label="Micro-batches"),
             Input(path="spec.layout.precision", label="Precision", kind="choice", choices=get_args(Precision)),

@@ -34,7 +34,11 @@ def run_new_page(request: HttpRequest) -> HttpResponse:
     # The recipes' own values become the placeholders of the form's inputs, so an empty input
     # visibly means "the recipe's value" and the API fills it in.
     recipes = {
-        name: {section: values for section, values in make().to_dict().items() if section in ("model", "layout", "train", "nodes")}
+        name: {
+            section: values
+            for section, values in make().to_dict().items()
+            if section in ("model", "layout", "train", "nodes")
+        }
         for name, make in RECIPES.items()
     }
     return render(request, "dashboard/run_new.html", {"recipes": recipes, "groups": GROUPS})
@@ -78,7 +82,7 @@ def sparklines(request: HttpRequest) -> JsonResponse:
         ids = [int(part) for part in request.GET.get("runs", "").split(",") if part][:SPARKLINE_RUNS]
     except ValueError:
         return JsonResponse({"runs": ["must be a comma-separated list of run ids"]}, status=400)
-    owned = list(Run.objects.filter(owner=request.user, pk__in=ids).values_list("pk", flat=True))
+    owned = list(Run.objects.filter(owner_id=request.user.pk, pk__in=ids).values_list("pk", flat=True))
     curves: dict[int, dict[int, float]] = {pk: {} for pk in owned}
     rows = (
         RunEvent.objects.filter(run_id__in=owned, kind="metrics")

@@ -9,15 +9,19 @@ what it provokes (an API answering 400 to a bad form value logs "Failed to load 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+from django.db import connections
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
 from tests.platform.conftest import alice, bob, celery_worker, live_web  # noqa: F401 (fixtures)
 
+T = TypeVar("T")
 OUTPUT = Path(__file__).resolve().parent / "output"
 CHROMIUM = "/usr/bin/chromium"
 # Headless Chromium on a shared CI box: no sandbox (no user namespaces in containers), no GPU,
@@ -62,6 +66,24 @@ class ConsoleWatch:
 
     def assert_clean(self) -> None:
         assert not self.unexpected(), "browser console errors:\n" + "\n".join(self.unexpected())
+
+
+def off_loop(fn: Callable[[], T]) -> T:
+    """Runs Django code from a test that drives a page.
+
+    Playwright's sync API keeps an event loop on the test's thread, where Django refuses ORM
+    calls and `async_to_sync` (which publishes events) cannot run; a thread of its own has no
+    loop. It gets its own database connection, which is fine in `transaction=True` tests.
+    """
+
+    def call() -> T:
+        try:
+            return fn()
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(call).result()
 
 
 @pytest.fixture

@@ -1,0 +1,91 @@
+"""The run page follows a run's events live, and keeps following them across a restart of the
+web process: it reconnects and resumes after the last event it holds, missing none and
+repeating none. Events are recorded straight into the database, as a node agent's would be,
+so the test controls exactly what the page should show."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from playwright.sync_api import Page, WebSocket, expect
+
+from runs import services
+from runs.models import Run
+from tests.e2e.conftest import ConsoleWatch, log_in, off_loop, screenshot
+
+pytestmark = pytest.mark.browser
+
+# The page retries with backoff capped at 10 s; a web process takes a few seconds to start.
+RECONNECT_TIMEOUT_MS = 90_000
+
+
+def record(run: Run, kind: str, data: dict) -> None:
+    off_loop(lambda: services.do_record_event(run, kind, data))
+
+
+def record_metrics(run: Run, steps: range) -> None:
+    for step in steps:
+        record(
+            run,
+            "metrics",
+            {"step": step, "loss": 6.0 - 0.1 * step, "lr": 1e-3, "tokens_per_s": 900.0 + step, "mfu": 0.12},
+        )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_run_page_resumes_after_its_last_event_when_the_web_process_restarts(
+    alice, live_web, browser_page: Page, console: ConsoleWatch
+):
+    page = browser_page
+    # While the web process is down, the socket's reconnects and the log poll fail by design.
+    console.allow(r"WebSocket connection to .* failed")
+    console.allow(r"Failed to load resource: net::ERR_CONNECTION_REFUSED")
+    spec = services.check_spec({"layout": {"dp": 2}}).to_dict()
+    run = off_loop(lambda: Run.objects.create(owner=alice, name="followed", spec=spec, status="running"))
+    sockets: list[WebSocket] = []
+    page.on("websocket", lambda socket: sockets.append(socket))
+    record_metrics(run, range(1, 4))
+    record(run, "rendezvous", {"attempt": 0, "host": "node-a", "ranks": [0, 1], "world_size": 2})
+
+    log_in(page, live_web.url, "alice", "alice-password-1")
+    page.goto(f"{live_web.url}/runs/{run.pk}")
+    loss = page.locator("#chart-loss")
+    live = page.locator("#live-state")
+    expect(loss).to_have_attribute("data-points", "3")
+    expect(live).to_have_attribute("data-state", "live")
+    held = off_loop(lambda: Run.objects.get(pk=run.pk).last_seq)
+
+    live_web.process.send_signal(signal.SIGKILL)
+    live_web.process.wait()
+    expect(live).to_have_attribute("data-state", "reconnecting")
+    record_metrics(run, range(4, 7))  # while no web process is there to tell the page
+    live_web.start()
+
+    expect(live).to_have_attribute("data-state", "live", timeout=RECONNECT_TIMEOUT_MS)
+    expect(loss).to_have_attribute("data-points", "6")
+    assert sockets[0].url.endswith("?after=0")
+    assert sockets[-1].url.endswith(f"?after={held}")  # resumed after what it held, not from the start
+
+    # A rank goes down: its tile turns red at once, and back once the group re-forms.
+    record(
+        run,
+        "rank_failed",
+        {"rank": 1, "host": "node-a", "reason": "exited", "exit_code": 1, "signal": None, "last_step": 6},
+    )
+    rank1 = page.locator('#rank-grid li[data-rank="1"]')
+    expect(rank1).to_have_attribute("data-state", "failed")
+    expect(rank1).to_contain_text("1 failure: exited (exit 1)")
+    record(run, "restarting", {"attempt": 1, "from_step": 4, "reason": "rank failed", "restarts_left": 2})
+    record(run, "rendezvous", {"attempt": 1, "host": "node-a", "ranks": [0, 1], "world_size": 2})
+    expect(rank1).to_have_attribute("data-state", "running")
+    expect(rank1).to_have_attribute("data-failures", "1")
+    expect(page.locator('#timeline li[data-kind="restarting"]')).to_contain_text("from checkpoint step 4")
+
+    # Every event once: the timeline holds each non-metrics event's seq exactly once.
+    expected = off_loop(lambda: list(run.events.exclude(kind="metrics").order_by("seq").values_list("seq", flat=True)))
+    expect(page.locator("#timeline li")).to_have_count(len(expected))
+    shown = [int(s) for s in page.locator("#timeline li").evaluate_all("items => items.map(li => li.dataset.seq)")]
+    assert sorted(shown) == expected
+    screenshot(page, "run-page-after-web-restart.png")
+    console.assert_clean()
