@@ -31,6 +31,8 @@ def prepare(run: Run) -> tuple[Path, str]:
     """Writes spec.json with the dataset's path filled in; returns the folder and a fresh run token."""
     folder = run.folder
     (folder / "logs").mkdir(parents=True, exist_ok=True)
+    # A resumed run starts in the folder its cancel was requested in: the request is spent.
+    (folder / "cancel").unlink(missing_ok=True)
     spec = RunSpec.from_dict(run.spec)
     if run.dataset is not None:
         spec.data.dataset = run.dataset.path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 
 from celery import shared_task
@@ -14,6 +15,9 @@ from runs import exports, launcher, services
 from runs.models import Checkpoint, Run
 
 log = logging.getLogger(__name__)
+
+# How long a launch waits for the run's previous agents to exit (their cancel grace is 30 s).
+AGENT_EXIT_WAIT_SECONDS = 60.0
 
 
 @shared_task
@@ -29,6 +33,11 @@ def launch_run(run_id: int) -> str:
         if run.status != Run.Status.STARTING or launcher.agents_alive(run):
             return f"run {run_id} is {run.status}; nothing to do"
         Run.objects.filter(pk=run_id).update(launch_attempts=F("launch_attempts") + 1, last_report_at=timezone.now())
+    # A resumed run's previous agents may still be on their way out (they report `cancelled`
+    # or `failed`, then flush and exit); their lock would turn the new agents away.
+    deadline = time.monotonic() + AGENT_EXIT_WAIT_SECONDS
+    while launcher.agents_alive(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
     folder, token = launcher.prepare(run)
     Run.objects.filter(pk=run_id).update(token_hash=services.hash_token(token))
     pids = launcher.start_agents(run, folder, token)

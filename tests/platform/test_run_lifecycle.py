@@ -157,3 +157,22 @@ def test_the_cli_names_the_bad_field(tmp_path):
     )
     assert out.returncode != 0
     assert "--user: no user named 'nobody'" in out.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancelled_run_keeps_its_checkpoint_and_resumes_from_it(alice, live_web, celery_worker):
+    client = api(live_web, alice)
+    spec = {"train": {"steps": 40, "warmup_steps": 2, "checkpoint_interval": 5}}
+    run_id = client.post("/api/runs/", json={"name": "paused", "spec": spec}).json()["id"]
+    wait_until(lambda: Run.objects.get(pk=run_id).step >= 12, 300, "a dozen steps")
+    assert client.post(f"/api/runs/{run_id}/cancel/").json()["cancel_requested"] is True
+    wait_until(lambda: Run.objects.get(pk=run_id).status == "cancelled", 120, "the cancel")
+    kept = [c["step"] for c in client.get(f"/api/runs/{run_id}/checkpoints/").json()]
+    assert kept and kept[-1] >= 10
+    assert client.post(f"/api/runs/{run_id}/resume/").json()["status"] == "queued"
+    wait_until(lambda: Run.objects.get(pk=run_id).status == "succeeded", 300, "the resumed run to finish")
+    run = Run.objects.get(pk=run_id)
+    resumed = run.events.filter(kind="resumed").values_list("data__step", flat=True)
+    assert list(resumed)[-1] >= kept[-1]  # it went on from a checkpoint, not from scratch
+    steps = list(run.events.filter(kind="metrics").values_list("data__step", flat=True))
+    assert steps[-1] == 40 and set(range(1, 41)) <= set(steps)
