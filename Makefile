@@ -53,10 +53,11 @@ types: venv
 test-embedded: venv
 	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q
 
-# The control-plane tests again on PostgreSQL + Redis.
+# The control-plane tests again on PostgreSQL + Redis (the vLLM end-to-end test needs no second run:
+# serving does not touch the database).
 test-services: venv services
 	d=$$(mktemp -d /tmp/fathom-test-pg-XXXX) && FATHOM_DATA_DIR=$$d DATABASE_URL=$(POSTGRES_URL) REDIS_URL=$(REDIS_TEST_URL) \
-		$(BIN)/python -m pytest tests/platform -q
+		$(BIN)/python -m pytest tests/platform -q -m "not vllm"
 
 test: venv vllm-env system-packages services
 	$(MAKE) --no-print-directory lint types test-embedded test-services

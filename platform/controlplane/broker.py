@@ -18,7 +18,7 @@ from kombu.utils.json import dumps
 
 
 class Channel(filesystem.Channel):
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         # Readers take files whose name after the first dot is "<queue>.msg"; this one's is not.
         staging = os.path.join(self.data_folder_out, f".{name}.tmp")

@@ -89,7 +89,8 @@ def _requested_model(raw: bytes) -> str | None:
     return body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
 
 
-async def _relay(response: ProxyResponse) -> HttpResponse:
+async def _relay(response: ProxyResponse) -> HttpResponse | StreamingHttpResponse:
+    relayed: HttpResponse | StreamingHttpResponse
     if response.stream is None:
         relayed = HttpResponse(response.body or b"", status=response.status, content_type=response.content_type)
     else:
@@ -111,7 +112,7 @@ async def _relay(response: ProxyResponse) -> HttpResponse:
     return relayed
 
 
-async def _proxy(request: HttpRequest, path: str) -> HttpResponse:
+async def _proxy(request: HttpRequest, path: str) -> HttpResponse | StreamingHttpResponse:
     key = await _key_for(request.headers.get("Authorization", ""))
     if key is None:
         return _unauthorized("A valid API key is required: send 'Authorization: Bearer <key>' (keys start with fth-).")
@@ -129,13 +130,13 @@ async def _proxy(request: HttpRequest, path: str) -> HttpResponse:
 
 @csrf_exempt
 @require_POST
-async def chat_completions(request: HttpRequest) -> HttpResponse:
+async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
     return await _proxy(request, "/v1/chat/completions")
 
 
 @csrf_exempt
 @require_POST
-async def completions(request: HttpRequest) -> HttpResponse:
+async def completions(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
     return await _proxy(request, "/v1/completions")
 
 
@@ -148,7 +149,7 @@ async def models(request: HttpRequest) -> HttpResponse:
 
 
 @require_POST
-async def playground_chat(request: HttpRequest, deployment_id: int) -> HttpResponse:
+async def playground_chat(request: HttpRequest, deployment_id: int) -> HttpResponse | StreamingHttpResponse:
     """The dashboard's chat: the owner's session instead of a key (CSRF-checked), same path."""
     user = await request.auser()
     deployment = await _owned_deployment(user, deployment_id)

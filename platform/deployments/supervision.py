@@ -32,7 +32,7 @@ SCRAPE_TIMEOUT_SECONDS = 1.5
 
 
 def device() -> DeviceInfo:
-    return DeviceInfo.local_cpu() if settings.SERVING_DEVICE == "cpu" else DeviceInfo(kind=settings.SERVING_DEVICE)
+    return DeviceInfo.local_cpu() if settings.SERVING_DEVICE == "cpu" else DeviceInfo(kind="cuda")
 
 
 def check_options(options: dict[str, Any], export_path: str = "") -> ReplicaOptions:
@@ -136,7 +136,7 @@ def scrape(folder: Path, urls: list[str]) -> dict[str, Any]:
     previous_file = folder / "metrics.previous.json"
     previous: dict[str, list[float]] = json.loads(previous_file.read_text()) if previous_file.exists() else {}
     current: dict[str, list[float]] = {}
-    totals = {"running": 0.0, "waiting": 0.0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0, "ttft_p50": None}
+    totals: dict[str, float] = {"running": 0.0, "waiting": 0.0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0}
     ttfts: list[float] = []
     samples = [(url, r) for url, r in zip(urls, asyncio.run(collect()), strict=True) if isinstance(r, replica_metrics.ReplicaMetrics)]
     for url, sample in samples:
@@ -151,7 +151,5 @@ def scrape(folder: Path, urls: list[str]) -> dict[str, Any]:
             totals["tokens_per_s"] += made / (now - before_time)
         if sample.ttft_p50_s is not None:
             ttfts.append(sample.ttft_p50_s)
-    if ttfts:
-        totals["ttft_p50"] = sum(ttfts) / len(ttfts)
     previous_file.write_text(json.dumps(current))
-    return {**totals, "replicas_scraped": len(samples)}
+    return {**totals, "ttft_p50": sum(ttfts) / len(ttfts) if ttfts else None, "replicas_scraped": len(samples)}
