@@ -62,8 +62,9 @@ def launch(spec: RunSpec, run_dir: Path, timeout: float = 600.0) -> list[dict[st
     return read_events(events_file)
 
 
-def step_losses(events: list[dict[str, Any]]) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in events if e["kind"] == "metrics"}
+def step_values(events: list[dict[str, Any]], key: str = "loss") -> dict[int, float]:
+    """`key` of every metrics event, by step."""
+    return {e["step"]: e[key] for e in events if e["kind"] == "metrics"}
 
 
 def shared_data(work_dir: Path, spec: RunSpec) -> DataConfig:
@@ -94,21 +95,21 @@ def reference_spec(spec: RunSpec) -> RunSpec:
 
 @dataclass(frozen=True)
 class Parity:
-    reference: dict[int, float]
-    parallel: dict[int, float]
+    reference: list[dict[str, Any]]  # events of the single-process run
+    parallel: list[dict[str, Any]]  # events of the parallel run
 
-    @property
-    def max_delta(self) -> float:
-        if self.reference.keys() != self.parallel.keys():
-            raise ValueError(f"steps differ: reference {sorted(self.reference)}, parallel {sorted(self.parallel)}")
-        return max(abs(self.reference[s] - self.parallel[s]) for s in self.reference)
+    def max_delta(self, key: str = "loss", relative: bool = False) -> float:
+        """Largest per-step |reference − parallel| of a metric (loss, grad_norm), optionally / |reference|."""
+        ref, par = step_values(self.reference, key), step_values(self.parallel, key)
+        if ref.keys() != par.keys():
+            raise ValueError(f"steps differ: reference {sorted(ref)}, parallel {sorted(par)}")
+        return max(abs(ref[s] - par[s]) / (abs(ref[s]) if relative else 1.0) for s in ref)
 
 
 def check_parity(spec: RunSpec, work_dir: Path, timeout: float = 600.0) -> Parity:
     spec = RunSpec.from_dict({**spec.to_dict(), "data": vars(shared_data(work_dir, spec))})
-    reference = step_losses(launch(reference_spec(spec), work_dir / "reference", timeout))
-    parallel = step_losses(launch(spec, work_dir / "parallel", timeout))
-    return Parity(reference=reference, parallel=parallel)
+    reference = launch(reference_spec(spec), work_dir / "reference", timeout)
+    return Parity(reference=reference, parallel=launch(spec, work_dir / "parallel", timeout))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,10 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory(prefix="fathom-parity-") as tmp:
         parity = check_parity(spec, args.work_dir or Path(tmp))
-    for step in sorted(parity.reference):
-        ref, par = parity.reference[step], parity.parallel[step]
-        print(f"step {step}: reference {ref:.7f}  parallel {par:.7f}  |Δ| {abs(ref - par):.2e}")
-    print(f"max |Δloss| = {parity.max_delta:.3e}")
+    ref, par = step_values(parity.reference), step_values(parity.parallel)
+    for step in sorted(ref):
+        print(f"step {step}: reference loss {ref[step]:.7f}  parallel {par.get(step, float('nan')):.7f}")
+    print(f"max |Δgrad_norm| / grad_norm = {parity.max_delta('grad_norm', relative=True):.3e}")
+    print(f"max |Δloss| = {parity.max_delta():.3e}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def keep_spec(path: Path, spec_text: str) -> None:
+    """Copies the spec into the run folder. Atomically, and only if it differs: the file given with
+    --spec is often this very file, and the other ranks may be reading it right now."""
+    if path.exists() and path.read_text() == spec_text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(spec_text)
+    tmp.replace(path)
+
+
 def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
     # torchrun's contract: RANK and WORLD_SIZE name this process; absent, it is a single process.
     rank = int(os.environ.get("RANK", "0"))
@@ -51,7 +61,7 @@ def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     events = None
     if rank == 0:
-        (run_dir / "spec.json").write_text(spec_text)
+        keep_spec(run_dir / "spec.json", spec_text)
         events = EventLog(Path(os.environ.get("FATHOM_EVENTS_FILE", run_dir / "events.jsonl")))
     trainer = Trainer(
         spec=spec,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from training.check_parity import launch, parity_spec, step_losses
+from training.check_parity import launch, parity_spec, step_values
 from training.checkpoint import (
     COMMITTED,
     checkpoint_path,
@@ -77,8 +77,8 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_bitwise(tiny_data: DataC
     resume_from(tmp_path / "whole", 3, tmp_path / "resumed")
     resumed = launch(spec, tmp_path / "resumed", TIMEOUT)
     assert resumed[0]["kind"] == "resumed" and resumed[0]["step"] == 3
-    expected = {s: loss for s, loss in step_losses(whole).items() if s > 3}
-    assert step_losses(resumed) == expected  # float equality: bitwise
+    expected = {s: loss for s, loss in step_values(whole).items() if s > 3}
+    assert step_values(resumed) == expected  # float equality: bitwise
     assert [p.name for p in committed_checkpoints(tmp_path / "resumed")] == ["step_00000003", "step_00000006"]
     assert read_metadata(checkpoint_path(tmp_path / "resumed", 6))["sampler"]["consumed"] == 6 * spec.train.global_batch
 
@@ -101,7 +101,7 @@ def test_async_checkpoints_commit_and_resume_exactly(tiny_data: DataConfig, tmp_
     assert [p.name for p in committed_checkpoints(tmp_path / "whole")] == ["step_00000004", "step_00000006"]
     resume_from(tmp_path / "whole", 4, tmp_path / "resumed")
     resumed = launch(spec, tmp_path / "resumed", TIMEOUT)
-    assert step_losses(resumed) == {s: v for s, v in step_losses(whole).items() if s > 4}
+    assert step_values(resumed) == {s: v for s, v in step_values(whole).items() if s > 4}
 
 
 @pytest.mark.slow
@@ -109,11 +109,11 @@ def test_a_checkpoint_from_four_ranks_resumes_on_two_ranks_in_another_layout(
     tiny_data: DataConfig, tmp_path: Path
 ) -> None:
     four = spec_for(tiny_data, steps=6, interval=3, dp=2, tp=2, zero=3)
-    whole = step_losses(launch(four, tmp_path / "four", TIMEOUT))
+    whole = step_values(launch(four, tmp_path / "four", TIMEOUT))
     two = spec_for(tiny_data, steps=6, interval=3, pp=2)
     resume_from(tmp_path / "four", 3, tmp_path / "two")
     resumed = launch(two, tmp_path / "two", TIMEOUT)
     assert resumed[0] == {**resumed[0], "kind": "resumed", "step": 3}
-    losses = step_losses(resumed)
+    losses = step_values(resumed)
     assert sorted(losses) == [4, 5, 6]
     assert max(abs(losses[s] - whole[s]) for s in losses) <= 1e-4
