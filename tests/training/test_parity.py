@@ -105,3 +105,11 @@ def test_zero2_with_gradient_accumulation_matches_one_process(tiny_data: DataCon
     parity = check_parity(spec, tmp_path, TIMEOUT)
     assert parity.max_delta("loss") <= TOLERANCE, parity
     assert parity.max_delta("grad_norm", relative=True) <= TOLERANCE, parity
+
+
+def test_bf16_autocast_trains_close_to_fp32(reference: Events, tiny_data: DataConfig, tmp_path: Path) -> None:
+    spec = with_data(reference_spec(parity_spec(STEPS, precision="bf16")), tiny_data)
+    assert spec.layout.precision == "bf16"
+    parity = Parity(reference=reference, parallel=launch(spec, tmp_path, TIMEOUT))
+    # bf16 keeps 8 bits of mantissa: close to fp32, but not within the fp32 tolerance.
+    assert 0 < parity.max_delta("loss") <= 2e-2, parity
