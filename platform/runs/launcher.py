@@ -84,6 +84,11 @@ def agents_alive(run: Run) -> bool:
     return False
 
 
+def has_local_agents(run: Run) -> bool:
+    """Whether this host ever started agents for the run (their lock files are here)."""
+    return any(run.folder.glob("agent-node*.lock"))
+
+
 def is_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -60,16 +60,18 @@ def reconcile_runs() -> int:
         launch_run.delay(run.pk)
     failed = 0
     for run in Run.objects.filter(status__in=[Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING]):
-        alive = launcher.agents_alive(run)
+        if launcher.agents_alive(run):
+            continue  # a live agent owns the run, however long its steps or checkpoints take
         quiet_for = now - (run.last_report_at or run.created_at)
-        if run.status == Run.Status.STARTING and not alive and quiet_for > LAUNCH_GRACE and run.launch_attempts < 3:
+        if run.status == Run.Status.STARTING and quiet_for <= LAUNCH_GRACE:
+            continue  # its launch is still under way
+        if run.status == Run.Status.STARTING and run.launch_attempts < 3:
             launch_run.delay(run.pk)
             continue
-        if alive and quiet_for <= silence:
-            continue
-        if not alive and run.status != Run.Status.STARTING:
+        if launcher.has_local_agents(run):
             reason = "every node agent exited without reporting an outcome"
         elif quiet_for > silence:
+            # Agents on other hosts can only be judged by their reports.
             reason = f"no report from the node agents for {int(silence.total_seconds())} s"
         else:
             continue

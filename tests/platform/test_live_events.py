@@ -73,8 +73,10 @@ async def test_another_users_run_or_no_login_is_refused(alice, bob):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_real_celery_worker_runs_a_task_from_the_embedded_broker(alice, celery_worker):
-    # A run whose agents are gone and which has been silent is failed by the reconcile task.
+    # A run whose agent died (its lock file is left, held by nobody) is failed by the reconcile task.
     run = Run.objects.create(owner=alice, name="lost", spec={}, status=Run.Status.RUNNING, agent_pids=[2**22 + 7])
+    run.folder.mkdir(parents=True)
+    (run.folder / "agent-node0.lock").touch()
     result = reconcile_runs.delay()
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not TaskResult.objects.filter(task_id=result.id, status="SUCCESS").exists():
@@ -85,3 +87,23 @@ def test_a_real_celery_worker_runs_a_task_from_the_embedded_broker(alice, celery
     run.refresh_from_db()
     assert run.status == "failed"
     assert "exited without reporting" in run.status_reason
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reconcile_leaves_a_run_whose_agent_holds_its_lock_however_quiet(alice):
+    import fcntl
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    quiet = timezone.now() - timedelta(hours=1)
+    run = Run.objects.create(owner=alice, name="slow steps", spec={}, status=Run.Status.RUNNING, last_report_at=quiet)
+    run.folder.mkdir(parents=True)
+    with (run.folder / "agent-node0.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as the running agent's flock holds it
+        assert reconcile_runs() == 0
+    run.refresh_from_db()
+    assert run.status == "running"
+    assert reconcile_runs() == 1  # the lock is free: the agent is gone
+    run.refresh_from_db()
+    assert run.status == "failed"
