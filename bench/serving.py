@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--keep", action="store_true", help="keep the deployment's logs and state")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
 
@@ -179,8 +180,15 @@ def main() -> None:
         os.killpg(router.pid, signal.SIGTERM)
         router.wait(timeout=30)
         _wait(lambda: not Path(f"/proc/{supervisor}").exists() or _zombie(supervisor), 120, "supervisor exit")
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            print(f"logs and state kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
+    # Ratios per round (each routed round runs right after its direct round), then the median:
+    # steadier than a ratio of medians when the machine's other load drifts.
+    tps_ratio = statistics.median(r[0] / d[0] for d, r in zip(direct, routed, strict=True))
+    ttft_ratio = statistics.median(r[1] / d[1] for d, r in zip(direct, routed, strict=True))
     direct_tps = statistics.median(t for t, _ in direct)
     routed_tps = statistics.median(t for t, _ in routed)
     direct_ttft = statistics.median(f for _, f in direct)
@@ -190,16 +198,18 @@ def main() -> None:
     print(f"load: {args.concurrency} concurrent streams x {args.tokens} tokens, {args.rounds} rounds each, medians")
     print(f"direct to replica: {direct_tps:,.0f} tok/s, TTFT p50 {direct_ttft * 1000:.0f} ms")
     print(f"through router:    {routed_tps:,.0f} tok/s, TTFT p50 {routed_ttft * 1000:.0f} ms")
+    print(f"router / direct, median of per-round ratios: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f}")
+    print(f"load average at the end (shared machine): {os.getloadavg()[0]:.1f}")
     # CPU the router process spent per 1000 relayed tokens: unlike tokens/s, it does not move
     # with what else the machine runs.
     router_cpu_ms = router_cpu_s * 1000 / (args.rounds * args.concurrency * args.tokens / 1000)
     print(f"router process CPU: {router_cpu_ms:.0f} ms per 1000 relayed tokens")
     print(f"transformers.generate (batch {args.concurrency}, OMP_NUM_THREADS=1): {hf_tps:,.0f} tok/s")
     print(
-        f"router_tok_s={routed_tps:.0f} direct_tok_s={direct_tps:.0f} router_over_direct_tok_s={routed_tps / direct_tps:.3f} "
+        f"router_tok_s={routed_tps:.0f} direct_tok_s={direct_tps:.0f} router_over_direct_tok_s={tps_ratio:.3f} "
         f"router_ttft_p50_ms={routed_ttft * 1000:.0f} direct_ttft_p50_ms={direct_ttft * 1000:.0f} "
-        f"router_over_direct_ttft={routed_ttft / direct_ttft:.3f} router_cpu_ms_per_1k_tok={router_cpu_ms:.0f} transformers_tok_s={hf_tps:.0f} "
-        f"vllm_over_transformers={direct_tps / hf_tps:.2f}"
+        f"router_over_direct_ttft={ttft_ratio:.3f} router_cpu_ms_per_1k_tok={router_cpu_ms:.0f} transformers_tok_s={hf_tps:.0f} "
+        f"vllm_over_transformers={direct_tps / hf_tps:.2f} loadavg={os.getloadavg()[0]:.1f}"
     )
 
 

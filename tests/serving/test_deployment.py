@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from serving.metrics import histogram_quantile, parse_prometheus, rates_between, scrape
+from serving.metrics import histogram_quantile, parse_prometheus, poll, rates_between, scrape
 from serving.supervisor import read_events, read_state, request_stop
 from serving.vllm import ReplicaOptions
 from tests.serving.conftest import RunningDeployment, process_alive, start_deployment, wait_until
@@ -146,6 +146,26 @@ async def test_metrics_of_a_real_replica_show_load_tokens_and_ttft(deployment: R
     assert after.ttft_p50_s is not None and after.ttft_p50_s > 0
     assert after.ttft_count >= 4
     assert histogram_quantile(raw, "vllm:time_to_first_token_seconds", 0.5) == after.ttft_p50_s
+
+
+async def test_the_poll_loop_reports_each_replica_with_tokens_per_second(deployment: RunningDeployment) -> None:
+    urls = deployment.ready_urls()
+    samples: list[tuple[str, dict]] = []
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=120) as client:
+        poller = asyncio.create_task(
+            poll(client, lambda: urls, lambda url, values: samples.append((url, values)), interval_s=0.3, stop=stop)
+        )
+        await asyncio.gather(*(stream_completion(client, deployment.router_url, max_tokens=64) for _ in range(4)))
+        await asyncio.sleep(0.7)
+        stop.set()
+        await asyncio.wait_for(poller, 30)
+    assert {url for url, _ in samples} == set(urls)
+    rated = [values for _, values in samples if "generation_tokens_per_s" in values]
+    assert rated and any(values["generation_tokens_per_s"] > 0 for values in rated)
+    assert all(
+        {"requests_running", "requests_waiting", "kv_cache_usage", "ttft_p50_s"} <= set(values) for _, values in samples
+    )
 
 
 async def test_killing_a_replica_under_load_fails_only_its_streams_and_it_comes_back(

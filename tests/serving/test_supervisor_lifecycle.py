@@ -1,0 +1,94 @@
+"""The supervisor's mechanics with stand-in replica programs (real processes that exit at once or
+never answer /health), so backoff, timeouts and stop are seen in seconds. The same paths with
+real vLLM replicas: test_deployment.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+
+from serving.supervisor import DeploymentConfig, ReplicaEvent, Supervisor, read_events, read_state
+from tests.serving.conftest import process_alive
+
+
+def stand_in(tmp_path: Path, script: str) -> str:
+    """An executable that the supervisor runs in place of the vLLM interpreter."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def config(tmp_path: Path, python: str, **overrides: object) -> DeploymentConfig:
+    values: dict = {
+        "name": "tiny",
+        "checkpoint": str(tmp_path / "ckpt"),
+        "state_dir": str(tmp_path / "state"),
+        "python": python,
+        "replicas": 1,
+        "restart_backoff_s": 0.05,
+        "restart_backoff_max_s": 0.2,
+        "health_interval_s": 0.1,
+        "stop_grace_s": 2.0,
+    }
+    values.update(overrides)
+    return DeploymentConfig(**values)
+
+
+async def wait_for(condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+async def test_a_replica_that_keeps_dying_is_restarted_with_doubling_capped_delays(tmp_path: Path) -> None:
+    events: list[ReplicaEvent] = []
+    supervisor = Supervisor(config(tmp_path, stand_in(tmp_path, "exit 3")), on_event=events.append)
+    await supervisor.start()
+    await wait_for(lambda: sum(e.kind == "replica_restarting" for e in events) >= 5)
+    await supervisor.stop()
+
+    died = [e for e in events if e.kind == "replica_died"]
+    assert {e.exit_code for e in died} == {3}
+    delays = [e.delay_s for e in events if e.kind == "replica_restarting"][:5]
+    assert delays == [0.05, 0.1, 0.2, 0.2, 0.2]
+    restarts = [e.restarts for e in events if e.kind == "replica_restarting"][:5]
+    assert restarts == [1, 2, 3, 4, 5]
+    assert events[-1].kind == "replica_stopped"
+    # The callback and events.jsonl tell the same story.
+    assert [e.kind for e in read_events(tmp_path / "state")[0]] == [e.kind for e in events]
+
+
+async def test_a_replica_that_never_becomes_healthy_is_killed_and_restarted(tmp_path: Path) -> None:
+    events: list[ReplicaEvent] = []
+    supervisor = Supervisor(
+        config(tmp_path, stand_in(tmp_path, "exec sleep 600"), ready_timeout_s=0.5), on_event=events.append
+    )
+    await supervisor.start()
+    await wait_for(lambda: any(e.kind == "replica_restarting" for e in events))
+    died = next(e for e in events if e.kind == "replica_died")
+    assert "not healthy after 0.5 s" in died.message
+    assert died.pid is not None and not process_alive(died.pid)
+    await supervisor.stop()
+
+
+async def test_stop_kills_a_starting_replica_with_its_children_and_records_it(tmp_path: Path) -> None:
+    # The stand-in starts a child of its own, as vLLM's server starts its engine core.
+    python = stand_in(tmp_path, 'sleep 600 & echo $! > "$(dirname "$0")/child.pid"; wait')
+    events: list[ReplicaEvent] = []
+    supervisor = Supervisor(config(tmp_path, python), on_event=events.append)
+    await supervisor.start()
+    child_pid_file = tmp_path / "child.pid"
+    await wait_for(lambda: child_pid_file.exists() and child_pid_file.read_text().strip())
+    child = int(child_pid_file.read_text())
+    replica_pid = supervisor.replicas[0].pid
+    assert replica_pid and process_alive(replica_pid) and process_alive(child)
+
+    await supervisor.stop()
+    assert not process_alive(replica_pid) and not process_alive(child)
+    assert [e.kind for e in events] == ["replica_starting", "replica_stopped"]
+    state = read_state(tmp_path / "state")
+    assert state is not None and state.stopping and state.replicas[0].phase == "stopped"
+    assert state.supervisor_pid == os.getpid()
