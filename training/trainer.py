@@ -81,8 +81,7 @@ class Trainer:
         full = Transformer(spec.model)
         # Each backward pass sees its loss divided by the passes of a step (accumulation × pipeline
         # micro-batches), so the accumulated gradient is that of the step's mean loss.
-        passes = spec.train.grad_accum * (spec.layout.microbatches if self.dims.pp > 1 else 1)
-        self.loss_scale = 1.0 / passes
+        self.loss_scale = 1.0 / self.shape.backward_passes
         self.model: ParallelModel = parallelize(
             full, spec, self.dims, self.mesh, rank, partial(_micro_batch_loss, scale=self.loss_scale)
         )

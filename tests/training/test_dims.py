@@ -67,6 +67,7 @@ def test_batch_shape_cuts_the_global_batch_over_dp_accumulation_and_micro_batche
     spec.__post_init__()
     shape = batch_shape(spec)
     assert (shape.local_batch, shape.micro_batch, shape.pipeline_chunk) == (8, 4, 2)
+    assert shape.backward_passes == 4  # 2 accumulation passes × 2 pipeline micro-batches
 
 
 def test_the_spec_rejects_micro_batches_that_do_not_divide_the_local_batch() -> None:

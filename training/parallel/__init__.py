@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from training.config import RunSpec
 from training.model import Transformer
-from training.parallel.dims import ParallelDims
+from training.parallel.dims import ParallelDims, batch_shape
 from training.parallel.fsdp import apply_fsdp
 from training.parallel.pipeline import build_schedule, split_stage
 from training.parallel.recompute import apply_recompute
@@ -75,8 +75,7 @@ def parallelize(
     grad_sync = None
     if dims.replicate_enabled:
         assert mesh is not None
-        per_step = spec.train.grad_accum * (lay.microbatches if dims.pp > 1 else 1)
-        grad_sync = apply_replicate(list(parts), mesh["dp"].get_group(), per_step)
+        grad_sync = apply_replicate(list(parts), mesh["dp"].get_group(), batch_shape(spec).backward_passes)
     schedule = None
     if dims.pp > 1:
         assert mesh is not None

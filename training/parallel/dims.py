@@ -118,6 +118,7 @@ class BatchShape:
     local_batch: int  # sequences per dp rank per step
     micro_batch: int  # sequences per forward/backward (per grad-accumulation pass)
     pipeline_chunk: int  # sequences per pipeline micro-batch (= micro_batch without PP)
+    backward_passes: int  # backward passes per step, each adding to every gradient once
 
 
 def batch_shape(spec: RunSpec) -> BatchShape:
@@ -125,5 +126,7 @@ def batch_shape(spec: RunSpec) -> BatchShape:
     lay, t = spec.layout, spec.train
     local = t.global_batch // lay.dp
     micro = local // t.grad_accum
-    chunk = micro // lay.microbatches if lay.pp > 1 else micro
-    return BatchShape(local_batch=local, micro_batch=micro, pipeline_chunk=chunk)
+    pipelined = lay.pp > 1
+    chunk = micro // lay.microbatches if pipelined else micro
+    passes = t.grad_accum * (lay.microbatches if pipelined else 1)
+    return BatchShape(local_batch=local, micro_batch=micro, pipeline_chunk=chunk, backward_passes=passes)
