@@ -45,18 +45,16 @@ async def _send(send: Send, response: ProxyResponse) -> None:
         headers.append((b"x-fathom-replica", response.replica.encode()))
     if response.stream is not None:
         headers.append((b"cache-control", b"no-cache"))
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
-    if response.stream is None:
-        await send({"type": "http.response.body", "body": response.body or b""})
-        return
-    stream = response.stream
     try:
-        async for chunk in stream:
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        async for chunk in response.iter_bytes():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
     finally:
-        # A client that hung up ends the upstream request too (and frees its routing slot).
-        await stream.aclose()  # type: ignore[attr-defined]
+        # However this ends (a client that hung up, a cancelled task), end the upstream request
+        # and free its routing slot; closing twice is harmless.
+        if response.stream is not None:
+            await response.stream.aclose()
 
 
 def create_app(gateway: Gateway) -> ASGIApp:

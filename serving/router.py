@@ -15,6 +15,7 @@ repeated). Once bytes flow, a failure ends the response with an OpenAI error (a 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -153,8 +154,22 @@ class ProxyResponse:
     status: int
     content_type: str
     body: bytes | None = None
-    stream: AsyncIterator[bytes] | None = None
+    stream: RelayStream | None = None
     replica: str | None = None
+
+    async def iter_bytes(self) -> AsyncIterator[bytes]:
+        """The body as an async generator, for a framework's streaming response (Django's
+        `StreamingHttpResponse`). Its `finally` closes the relay, which ends the upstream request
+        and frees the routing slot when the client goes away; asyncio's async-generator finalizer
+        runs it even if the framework drops the generator without closing it."""
+        if self.stream is None:
+            yield self.body or b""
+            return
+        try:
+            async for chunk in self.stream:
+                yield chunk
+        finally:
+            await self.stream.aclose()
 
 
 def error_response(error: OpenAIError) -> ProxyResponse:
@@ -303,7 +318,8 @@ class RelayStream:
             return tail
         try:
             return await self._chunks.__anext__()
-        except StopAsyncIteration:
+        except (StopAsyncIteration, asyncio.CancelledError):
+            # Cancelled: an ASGI server cancels the response task when the client disconnects.
             await self.aclose()
             raise
         except httpx.TimeoutException:

@@ -95,6 +95,35 @@ async def test_a_stream_the_client_abandons_stops_counting_as_outstanding() -> N
     assert router.outstanding() == {}
 
 
+async def test_a_client_that_hangs_up_mid_stream_frees_the_slot() -> None:
+    a = ScriptedBackend("a")
+    a.release.set()
+    router = router_over(a)
+    body = (await router.forward("/v1/completions", {"stream": True})).iter_bytes()
+    assert b"replica" in await body.__anext__()
+    await body.aclose()  # type: ignore[attr-defined]
+    assert router.outstanding() == {}
+
+
+async def test_a_cancelled_stream_frees_the_slot() -> None:
+    """ASGI servers cancel the response task when the client disconnects while the replica is
+    still thinking."""
+    a = ScriptedBackend("a")  # never released: the first chunk never comes
+    router = router_over(a)
+    response = await router.forward("/v1/completions", {"stream": True})
+
+    async def read() -> None:
+        async for _ in response.iter_bytes():
+            pass
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0.05)
+    assert router.outstanding() == {"a": 1}
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    assert router.outstanding() == {}
+
+
 async def test_it_fails_over_when_a_replica_refuses_before_the_first_byte_and_then_avoids_it() -> None:
     down, up = ScriptedBackend("down", refuse=True), ScriptedBackend("up")
     up.release.set()

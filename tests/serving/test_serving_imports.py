@@ -1,0 +1,29 @@
+"""`serving` runs where neither Django nor torch is installed: a replica host, a bare router."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+MODULES = [
+    "serving",
+    "serving.vllm",
+    "serving.supervisor",
+    "serving.router",
+    "serving.gateway",
+    "serving.requests",
+    "serving.errors",
+    "serving.metrics",
+    "serving.app",
+    "serving.tiny_checkpoint",
+]
+
+
+def test_importing_serving_loads_neither_django_nor_torch_nor_the_platform() -> None:
+    code = (
+        f"import sys\nfor m in {MODULES!r}: __import__(m)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('django', 'torch', 'transformers', 'controlplane', 'training'))\n"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == ""
