@@ -53,6 +53,9 @@ def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
         "status": run.status,
         "total_steps": run.total_steps,
         "layout": {dim: int(layout.get(dim, 1)) for dim in ("dp", "tp", "pp")},
+        # A deployment's context defaults to what the model was trained on (its export's
+        # max_position_embeddings); vLLM's own default may exceed it and be refused.
+        "seq_len": int(run.spec.get("model", {}).get("seq_len", 0)) or None,
     }
     return render(request, "dashboard/run.html", {"run": run, "run_page": run_page})
 

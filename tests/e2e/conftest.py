@@ -19,7 +19,7 @@ import pytest
 from django.db import connections
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
-from tests.platform.conftest import alice, bob, celery_worker, live_web  # noqa: F401 (fixtures)
+from tests.platform.conftest import alice, bob, celery_worker, celery_worker_with_beat, live_web  # noqa: F401 (fixtures)
 
 T = TypeVar("T")
 OUTPUT = Path(__file__).resolve().parent / "output"

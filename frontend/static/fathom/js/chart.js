@@ -4,6 +4,8 @@
 import uPlot from "../../vendor/uplot-1.6.32/uPlot.esm.js";
 
 const PALETTE = ["#1f6feb", "#d1242f", "#2e7d32", "#8250df", "#bf8700"];
+// Time ticks on whole seconds, minutes and hours only.
+const SECOND_INCREMENTS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 43200, 86400];
 const STEP_INCREMENTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
 
 /**
@@ -38,7 +40,7 @@ export class LineChart {
         })),
       ],
       // Steps are whole numbers: no tick at step 1.5.
-      axes: [time ? {} : { incrs: STEP_INCREMENTS }, { values: (u, ticks) => ticks.map(format), size: 60 }],
+      axes: [time ? { space: 70, incrs: SECOND_INCREMENTS, values: clockTicks } : { incrs: STEP_INCREMENTS }, { values: (u, ticks) => ticks.map(format), size: 60 }],
       hooks: { draw: [(u) => this.drawMarkers(u)] },
     };
     this.plot = new uPlot(opts, this.data, container);
@@ -97,6 +99,13 @@ export class LineChart {
     }
     ctx.restore();
   }
+}
+
+/** Time ticks as a 24-hour clock, with seconds when the chart spans only a few minutes. */
+function clockTicks(u, ticks) {
+  const span = (u.scales.x.max ?? 0) - (u.scales.x.min ?? 0);
+  const options = { hour: "2-digit", minute: "2-digit", hour12: false, ...(span < 600 ? { second: "2-digit" } : {}) };
+  return ticks.map((t) => new Date(t * 1000).toLocaleTimeString([], options));
 }
 
 /** An inline SVG line of `[[x, y], …]`, scaled to its box; empty points give an empty string. */

@@ -118,6 +118,8 @@ function describe(e) {
       return `${replica} restarting${e.backoff ? ` in ${Number(e.backoff).toFixed(1)} s` : ""}`;
     case "replica_stopped":
       return `${replica} stopped`;
+    case "status":
+      return `Status: ${e.status}${e.replicas ? ` (${e.ready ?? 0} of ${e.replicas} replicas ready)` : ""}`;
     default:
       return [e.kind.replaceAll("_", " "), e.reason].filter(Boolean).join(": ");
   }
@@ -229,8 +231,9 @@ $("chat-form").addEventListener("submit", async (event) => {
       {
         model: deployment.model,
         messages,
-        max_tokens: Number($("chat-max-tokens").value) || 64,
         temperature: Number($("chat-temperature").value),
+        // Empty: the engine generates until the answer ends or the context is full.
+        ...(Number($("chat-max-tokens").value) > 0 ? { max_tokens: Number($("chat-max-tokens").value) } : {}),
       },
       {
         signal: controller.signal,
@@ -253,6 +256,7 @@ $("chat-form").addEventListener("submit", async (event) => {
       $("chat-stats").textContent = "Stopped.";
     } else {
       messages.pop(); // the question was not answered; let the reader send it again
+      if (!answer.textContent) answer.parentElement.remove();
       showError($("chat-error"), exc);
     }
   } finally {
@@ -286,6 +290,16 @@ function showLiveState(state) {
 
 // The deployment socket replays recent history on every connect and takes no `after`;
 // LiveEvents drops what it already holds by seq.
-new LiveEvents(`/ws/deployments/${deployment.id}/`, onEvents, { resume: false, onState: showLiveState }).start();
+// The REST history (`{seq, kind, time: ISO, data}`) in the socket's shape (`{seq, kind, time: s, ...data}`).
+async function eventsAfter(after) {
+  const events = items(await api(`/api/deployments/${deployment.id}/events/?after=${after}`));
+  return events.map((e) => ({ ...e.data, seq: e.seq, kind: e.kind, time: Date.parse(e.time) / 1000 }));
+}
+
+new LiveEvents(`/ws/deployments/${deployment.id}/`, onEvents, {
+  resume: false,
+  onState: showLiveState,
+  catchUp: eventsAfter,
+}).start();
 refresh();
 loadKeys().catch((exc) => showError($("key-error"), exc));

@@ -15,12 +15,19 @@ export class LiveEvents {
    * @param {object} options
    *   resume: send `?after=SEQ` on (re)connect (the run socket supports it)
    *   onState: called with "connecting" | "live" | "reconnecting" | "closed"
+   *   catchUp: `async (after) => events` reading the history over HTTP, polled every
+   *     `catchUpMs`: where the socket relays only what its own process publishes (the
+   *     embedded in-memory channel layer), events recorded by a worker still arrive.
    */
-  constructor(path, onEvents, { resume = true, onState = () => {} } = {}) {
+  constructor(path, onEvents, { resume = true, onState = () => {}, catchUp = null, catchUpMs = 3000 } = {}) {
     this.path = path;
     this.onEvents = onEvents;
     this.resume = resume;
     this.onState = onState;
+    this.catchUp = catchUp;
+    this.catchUpMs = catchUpMs;
+    this.pollTimer = null;
+    this.catching = null; // the catch-up request in flight, if any
     this.lastSeq = 0;
     this.delay = FIRST_DELAY_MS;
     this.stopped = false;
@@ -31,12 +38,14 @@ export class LiveEvents {
   start() {
     this.stopped = false;
     this.connect();
+    if (this.catchUp) this.pollTimer = setTimeout(() => this.poll(), this.catchUpMs);
     return this;
   }
 
   stop() {
     this.stopped = true;
     clearTimeout(this.timer);
+    clearTimeout(this.pollTimer);
     if (this.socket) this.socket.close(1000);
     this.onState("closed");
   }
@@ -45,6 +54,40 @@ export class LiveEvents {
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
     const query = this.resume ? `?after=${this.lastSeq}` : "";
     return `${scheme}//${location.host}${this.path}${query}`;
+  }
+
+  /** Hands on events with a seq above the last one held, in seq order. */
+  deliver(events) {
+    const fresh = events.filter((e) => typeof e.seq !== "number" || e.seq > this.lastSeq);
+    for (const e of fresh) if (typeof e.seq === "number") this.lastSeq = Math.max(this.lastSeq, e.seq);
+    if (fresh.length) this.onEvents(fresh);
+  }
+
+  /**
+   * Socket events, unless they skip past events not yet held: with `catchUp`, some events reach
+   * this page only through the HTTP history, so a gap is filled from there (the socket's own
+   * events are committed before they are sent, so the history holds them too).
+   */
+  fromSocket(events) {
+    const fresh = events.filter((e) => typeof e.seq !== "number" || e.seq > this.lastSeq);
+    if (this.catchUp && fresh.length && typeof fresh[0].seq === "number" && fresh[0].seq > this.lastSeq + 1) {
+      this.catching ??= this.catchUp(this.lastSeq)
+        .then((history) => this.deliver(history))
+        .catch(() => {}) // the next poll tries again
+        .finally(() => (this.catching = null));
+      return;
+    }
+    this.deliver(fresh);
+  }
+
+  async poll() {
+    try {
+      if (document.visibilityState === "visible") this.deliver(await this.catchUp(this.lastSeq));
+    } catch {
+      // The socket's state already tells the reader the server is unreachable.
+    } finally {
+      if (!this.stopped) this.pollTimer = setTimeout(() => this.poll(), this.catchUpMs);
+    }
   }
 
   connect() {
@@ -64,9 +107,7 @@ export class LiveEvents {
       }
       if (body.type !== "events" || !Array.isArray(body.events)) return;
       // A socket that cannot resume replays recent history on connect; keep only what is new.
-      const fresh = body.events.filter((e) => typeof e.seq !== "number" || e.seq > this.lastSeq);
-      for (const e of fresh) if (typeof e.seq === "number") this.lastSeq = Math.max(this.lastSeq, e.seq);
-      if (fresh.length) this.onEvents(fresh);
+      this.fromSocket(body.events);
     });
     socket.addEventListener("close", (event) => {
       if (this.socket !== socket) return;

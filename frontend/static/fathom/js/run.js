@@ -28,7 +28,7 @@ const charts = {
 };
 const grid = new RankGrid($("rank-grid"), run.layout);
 const timeline = new Timeline($("timeline"));
-const checkpoints = new Checkpoints(run.id, $("checkpoint-rows"), $("checkpoints-empty"));
+const checkpoints = new Checkpoints(run.id, $("checkpoint-rows"), $("checkpoints-empty"), { seqLen: run.seq_len });
 const logTail = new LogTail(run.id, $("log-tail"), $("log-rank"));
 logTail.setWorldSize(grid.ranks.length);
 

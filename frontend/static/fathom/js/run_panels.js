@@ -4,8 +4,9 @@ import { api } from "./api.js";
 import { ago, h } from "./dom.js";
 
 export class Checkpoints {
-  constructor(runId, body, empty) {
+  constructor(runId, body, empty, { seqLen = null } = {}) {
     this.runId = runId;
+    this.seqLen = seqLen;
     this.body = body;
     this.empty = empty;
     this.timer = null;
@@ -30,7 +31,9 @@ export class Checkpoints {
       button.disabled = true;
       error.textContent = "";
       try {
-        const deployment = await api("/api/deployments/", { method: "POST", json: { checkpoint: checkpoint.id, replicas: 1 } });
+        const body = { checkpoint: checkpoint.id, replicas: 1 };
+        if (this.seqLen) body.options = { max_model_len: this.seqLen };
+        const deployment = await api("/api/deployments/", { method: "POST", json: body });
         location.assign(`/deployments/${deployment.id}`);
       } catch (exc) {
         error.textContent = exc.message;
