@@ -89,3 +89,71 @@ def test_the_run_page_resumes_after_its_last_event_when_the_web_process_restarts
     assert sorted(shown) == expected
     screenshot(page, "run-page-after-web-restart.png")
     console.assert_clean()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancel_resume_and_clone_act_on_the_run_and_the_buttons_follow_its_status(
+    alice, live_web, browser_page: Page, console: ConsoleWatch
+):
+    page = browser_page
+    spec = services.check_spec({"train": {"steps": 20}}).to_dict()
+    run = off_loop(lambda: Run.objects.create(owner=alice, name="steered", spec=spec, status="running"))
+    log_in(page, live_web.url, "alice", "alice-password-1")
+    page.goto(f"{live_web.url}/runs/{run.pk}")
+    cancel = page.get_by_role("button", name="Cancel")
+    resume = page.get_by_role("button", name="Resume")
+    expect(cancel).to_be_visible()
+    expect(resume).to_be_hidden()
+
+    cancel.click()
+    expect(page.locator('#timeline li[data-kind="cancel_requested"]')).to_be_visible()
+    expect(cancel).to_be_hidden()  # asked once; the agent answers with "cancelled"
+    # The node agent stops its ranks and reports it, as a real one would.
+    off_loop(
+        lambda: services.do_ingest_events(
+            run, "node-0", [{"seq": 1, "kind": "cancelled", "data": {"step": 0, "reason": "cancelled by the user"}}]
+        )
+    )
+    expect(page.locator("#run-status")).to_have_attribute("data-status", "cancelled")
+    expect(resume).to_be_visible()
+
+    resume.click()
+    expect(page.locator("#run-status")).to_have_attribute("data-status", "queued")
+    expect(resume).to_be_hidden()
+    expect(cancel).to_be_visible()
+
+    page.get_by_role("button", name="Clone").click()
+    expect(page.get_by_role("heading", name="steered (clone)")).to_be_visible()
+    clone = off_loop(lambda: Run.objects.get(name="steered (clone)"))
+    assert page.url == f"{live_web.url}/runs/{clone.pk}"
+    assert clone.spec == off_loop(lambda: Run.objects.get(pk=run.pk).spec)
+    console.assert_clean()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_every_page_fits_a_phone_screen_and_its_controls_have_labels(
+    alice, live_web, browser_page: Page, console: ConsoleWatch
+):
+    page = browser_page
+    spec = services.check_spec({"layout": {"dp": 2}}).to_dict()
+    run = off_loop(lambda: Run.objects.create(owner=alice, name="a run with a rather long name", spec=spec))
+    record_metrics(run, range(1, 6))
+    page.set_viewport_size({"width": 390, "height": 844})
+    log_in(page, live_web.url, "alice", "alice-password-1")
+    for path, ready, name in (
+        ("/", '#runs-body tr[data-status="queued"]', "phone-runs.png"),
+        ("/runs/new", "#f-dataset option", "phone-launch-form.png"),
+        (f"/runs/{run.pk}", '#chart-loss[data-points="5"]', "phone-run-page.png"),
+        ("/deployments", "#deployments-empty:not([hidden])", "phone-deployments.png"),
+    ):
+        page.goto(live_web.url + path)
+        expect(page.locator(ready).first).to_be_attached()
+        overflow = page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
+        assert overflow <= 0, f"{path} scrolls sideways by {overflow} px on a phone"
+        unlabelled = page.locator("input:not([type=hidden]), select, textarea").evaluate_all(
+            "els => els.filter(el => !el.labels.length && !el.getAttribute('aria-label')).map(el => el.outerHTML)"
+        )
+        assert not unlabelled, f"{path}: controls without a label: {unlabelled}"
+        assert page.locator("[onclick]:not(button):not(a)").count() == 0  # actions are buttons, not divs
+        screenshot(page, name)
+    console.assert_clean()
