@@ -29,7 +29,7 @@ import os
 import random
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +174,7 @@ class Checkpointer:
         tokenizer_dir: Path,
         rank: int,
         hooks: list[TrainHook],
-        on_commit: Any = None,  # called on rank 0 with (step, path) once a checkpoint is committed
+        on_commit: Callable[[int, Path], None] | None = None,  # rank 0, after each commit
     ) -> None:
         self.run_dir = run_dir
         self.parts = parts
@@ -241,6 +241,8 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         assert pending is not None
         pending.future.result()  # re-raises a failed write
+        # Each rank calls the hook once its own background write is done, which for ranks other
+        # than 0 may be after rank 0 committed; with synchronous saves every rank calls it first.
         for hook in self.hooks:
             hook.before_checkpoint_commit(pending.step, pending.staging)
         # Rank 0's future completes only after DCP gathered every rank's write results and wrote

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -191,7 +190,8 @@ class Trainer:
             self.events.emit("checkpoint", step=step, path=str(path))
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "spec": asdict(self.spec)}
+        """What a checkpoint's fathom.json keeps beside the tensors (the spec goes into its spec.json)."""
+        return {"sampler": self.sampler.state_dict()}
 
     def resume(self) -> int:
         """Loads the newest committed checkpoint, if there is one; returns the step it holds (or 0)."""
