@@ -56,6 +56,7 @@ GROUPS = [
             ),
             Input(path="spec.layout.schedule", label="Pipeline schedule", kind="choice", choices=get_args(Schedule)),
             Input(path="spec.layout.microbatches", label="Micro-batches"),
+            Input(path="spec.layout.stages_per_rank", label="Stages per rank (interleaved)"),
             Input(path="spec.layout.precision", label="Precision", kind="choice", choices=get_args(Precision)),
         ],
     ),

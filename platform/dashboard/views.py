@@ -17,6 +17,7 @@ from dashboard.launch_form import GROUPS
 from deployments.models import Deployment
 from runs.models import Run, RunEvent
 from training.config import RECIPES
+from training.layout_costs import DEVICES
 
 # A sparkline is a few dozen pixels wide; more points than this only cost bytes.
 SPARKLINE_POINTS = 60
@@ -41,7 +42,9 @@ def run_new_page(request: HttpRequest) -> HttpResponse:
         }
         for name, make in RECIPES.items()
     }
-    return render(request, "dashboard/run_new.html", {"recipes": recipes, "groups": GROUPS})
+    # The planner's hardware, this machine's kind first: the layout check asks about one of them.
+    devices = sorted(DEVICES, key=lambda name: name != "cpu")
+    return render(request, "dashboard/run_new.html", {"recipes": recipes, "groups": GROUPS, "devices": devices})
 
 
 @login_required

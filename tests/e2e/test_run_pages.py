@@ -150,3 +150,30 @@ def test_a_run_launched_from_the_form_draws_its_loss_live_and_shows_the_restart_
     expect(page.locator("#runs-body tr")).to_have_count(0)
     assert "status=failed" in page.url
     console.assert_clean()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_check_layout_ranks_the_forms_layout_and_fills_in_a_better_one(
+    alice, live_web, browser_page: Page, console: ConsoleWatch
+):
+    page = browser_page
+    log_in(page, live_web.url, "alice", "alice-password-1")
+    page.goto(f"{live_web.url}/runs/new")
+    fill_in(page, "Data parallel (dp)", "2")
+    fill_in(page, "Global batch (sequences)", "8")
+    field(page, "Check for hardware").select_option("cpu")
+    page.get_by_role("button", name="Check layout").click()
+
+    result = page.locator("#plan-result")
+    expect(result).to_contain_text("Your layout (dp2 tp1 pp1 zero0 none) ranks #")
+    best = result.locator("tbody tr").first
+    label = best.locator("code").inner_text()  # e.g. "dp2 tp1 pp1 zero3 selective mb1"
+    screenshot(page, "launch-form-layout-check.png")
+    best.get_by_role("button", name="Use").click()
+    dims = {part[:2]: part[2:] for part in label.split()[:3]}
+    assert field(page, "Data parallel (dp)").input_value() == dims["dp"]
+    assert field(page, "Tensor parallel (tp)").input_value() == dims["tp"]
+    assert field(page, "Pipeline stages (pp)").input_value() == dims["pp"]
+    assert field(page, "Global batch (sequences)").input_value() == "8"  # the rest is left alone
+    expect(field(page, "Data parallel (dp)")).to_be_focused()
+    console.assert_clean()

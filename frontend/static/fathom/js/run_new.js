@@ -3,6 +3,7 @@
 
 import { ApiError, api, flattenErrors, items } from "./api.js";
 import { h, pageData } from "./dom.js";
+import { checkLayout, planQuery } from "./plan.js";
 
 const form = document.getElementById("launch-form");
 const recipes = pageData("recipes");
@@ -193,44 +194,46 @@ form.addEventListener("submit", async (event) => {
 
 // --- Check layout (the planner) -----------------------------------------------------------------
 
+/** What an input holds, or the recipe's value for it when it is empty. */
+function effectiveValue(path) {
+  if (path === "recipe") return recipeSelect.value;
+  const input = form.elements.namedItem(path);
+  const raw = input?.value?.trim() ?? "";
+  if (raw !== "") return /^-?[\d.e]+$/i.test(raw) ? Number(raw) : raw;
+  return input?.dataset.recipeKey ? recipeValue(recipeSelect.value, input.dataset.recipeKey) : undefined;
+}
+
+function useCandidate(candidate) {
+  const set = (path, value) => {
+    const input = form.elements.namedItem(path);
+    input.value = String(value);
+    clearError(path);
+  };
+  for (const dim of ["dp", "tp", "pp", "zero", "recompute", "schedule", "stages_per_rank"]) set(`spec.layout.${dim}`, candidate[dim]);
+  // The planner counts micro-batch size; the spec counts micro-batches per local batch.
+  const local = Number(effectiveValue("spec.train.global_batch")) / candidate.dp;
+  set("spec.layout.microbatches", candidate.pp > 1 ? Math.max(1, Math.floor(local / candidate.micro_batch)) : 1);
+  form.elements.namedItem("spec.layout.dp").focus();
+}
+
 document.getElementById("check-layout").addEventListener("click", async () => {
   clearErrors();
-  const { body, errors } = readForm();
+  const { errors } = readForm();
   if (errors.length) {
     showErrors(errors)?.focus();
     return;
   }
-  const query = new URLSearchParams({ recipe: body.recipe, spec: JSON.stringify(body.spec ?? {}) });
-  planResult.replaceChildren(h("p", { class: "muted" }, "Checking the layout…"));
-  try {
-    const plan = await api(`/api/plan/?${query}`);
-    planResult.replaceChildren(renderPlan(plan));
-  } catch (exc) {
-    if (exc instanceof ApiError && exc.status === 404) {
-      planResult.replaceChildren(
-        h("p", { class: "notice", dataset: { planner: "missing" } },
-          "The layout planner is not available on this server yet. Launching still checks the layout: " +
-          "any problem with it shows next to its input."),
-      );
-    } else if (exc instanceof ApiError && exc.status === 400) {
-      planResult.replaceChildren();
-      showErrors(exc.data)?.focus();
-    } else {
-      planResult.replaceChildren(h("p", { class: "error" }, `The planner failed: ${exc.message}`));
-    }
-  }
-});
-
-/** The planner's answer as a definition list (its exact shape is the planner's to choose). */
-function renderPlan(plan) {
-  const list = h("dl", { class: "plan-list" });
-  const add = (key, value) => {
-    list.append(h("dt", {}, key), h("dd", {}, typeof value === "object" && value !== null ? JSON.stringify(value) : String(value)));
+  const layout = {
+    dp: Number(effectiveValue("spec.layout.dp")) || 1,
+    tp: Number(effectiveValue("spec.layout.tp")) || 1,
+    pp: Number(effectiveValue("spec.layout.pp")) || 1,
+    zero: Number(effectiveValue("spec.layout.zero")) || 0,
+    recompute: effectiveValue("spec.layout.recompute") ?? "none",
   };
-  if (plan && typeof plan === "object" && !Array.isArray(plan)) for (const [k, v] of Object.entries(plan)) add(k, v);
-  else add("plan", plan);
-  return h("div", {}, h("h2", {}, "Layout check"), list);
-}
+  const query = planQuery(effectiveValue, document.getElementById("plan-gpu").value);
+  const planErrors = await checkLayout(planResult, query, layout, useCandidate);
+  if (planErrors.length) showErrors(planErrors)?.focus();
+});
 
 recipeSelect.addEventListener("change", showRecipeDefaults);
 for (const input of form.querySelectorAll("input, select")) {
