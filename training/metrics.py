@@ -7,6 +7,9 @@ Event contract (one JSON object per line, appended and flushed line by line):
     {"kind": "checkpoint", "time": t, "step": n, "path": "<committed checkpoint dir>"}
     {"kind": "resumed", "time": t, "step": n}        # started from the checkpoint of step n
     {"kind": "finished", "time": t, "step": n}
+
+Rank 0 also prints one line per step (`step_line`), on resume and on each committed checkpoint to
+stdout, flushed: the node agent captures it as the run's log, which users follow live.
 """
 
 from __future__ import annotations
@@ -40,6 +43,18 @@ class EventLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def step_line(metrics: dict[str, Any], total_steps: int) -> str:
+    """Rank 0's human-readable line for one step, as users read it in the run's log.
+
+    e.g. `step 12/200 loss 3.4512 lr 2.9e-03 grad_norm 0.812 tok/s 5120 mfu 41.2% step 0.21s mem 812MB`
+    """
+    return (
+        f"step {metrics['step']}/{total_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.1e} "
+        f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:.0f} "
+        f"mfu {100 * metrics['mfu']:.1f}% step {metrics['step_time']:.2f}s mem {metrics['memory_mb']:.0f}MB"
+    )
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from training.checkpoint import Checkpointer, latest_checkpoint, remove_uncommit
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.hooks import TrainHook
-from training.metrics import EventLog, measure_matmul_peak, mfu, peak_memory_mb
+from training.metrics import EventLog, measure_matmul_peak, mfu, peak_memory_mb, step_line
 from training.model import Transformer, cross_entropy_loss, flops_per_token
 from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
@@ -45,6 +45,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def say(line: str) -> None:
+    """One line to stdout, flushed at once: the node agent streams rank 0's stdout to users as the log."""
+    print(line, flush=True)
 
 
 def _micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
@@ -179,6 +184,7 @@ class Trainer:
             }
             if self.events is not None:
                 self.events.emit("metrics", **metrics)
+            say(step_line(metrics, self.spec.train.steps))
         for hook in self.hooks:
             hook.on_step_end(step, metrics)
         return metrics
@@ -186,6 +192,7 @@ class Trainer:
     # --- The run --------------------------------------------------------------------------------
 
     def _on_commit(self, step: int, path: Path) -> None:
+        say(f"checkpoint step {step} committed at {path}")
         if self.events is not None:
             self.events.emit("checkpoint", step=step, path=str(path))
 
@@ -204,6 +211,8 @@ class Trainer:
             return 0
         state = self.checkpointer.load(checkpoint)
         self.sampler.load_state_dict(state["sampler"])
+        if self.rank == 0:
+            say(f"resumed from step {state['step']} ({checkpoint})")
         if self.events is not None:
             self.events.emit("resumed", step=state["step"])
         return int(state["step"])
@@ -218,6 +227,8 @@ class Trainer:
             if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
                 self.checkpointer.save(step, self.trainer_state())
         self.checkpointer.wait()
+        if self.rank == 0:
+            say(f"finished step {cfg.steps}")
         if self.events is not None:
             self.events.emit("finished", step=cfg.steps)
         for hook in self.hooks:

@@ -81,6 +81,11 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_bitwise(tiny_data: DataC
     assert step_values(resumed) == expected  # float equality: bitwise
     assert [p.name for p in committed_checkpoints(tmp_path / "resumed")] == ["step_00000003", "step_00000006"]
     assert read_metadata(checkpoint_path(tmp_path / "resumed", 6))["sampler"]["consumed"] == 6 * spec.train.global_batch
+    # Rank 0's stdout is the run's log that users follow: a line on resume, per step, per checkpoint.
+    log = (tmp_path / "resumed" / "log.txt").read_text().splitlines()
+    assert any(line.startswith("resumed from step 3 ") for line in log)
+    assert [line.split()[1] for line in log if line.startswith("step ")] == ["4/6", "5/6", "6/6"]
+    assert any(line.startswith("checkpoint step 6 committed at ") for line in log)
 
 
 def test_a_finished_run_that_is_started_again_only_reports_it_is_finished(
