@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,8 @@ from typing import Any, Protocol
 import httpx
 
 from serving.errors import OpenAIError, no_replica_available, normalize_error_body, upstream_failed, upstream_timeout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,7 @@ class Router:
                 self._release(backend.key)
                 self._ejected_until[backend.key] = time.monotonic() + self._eject_s
                 last_failure = str(exc)
+                log.warning("replica %s unreachable, trying another: %s", backend.key, exc)
                 continue
             except httpx.TimeoutException:
                 self._release(backend.key)
@@ -325,6 +329,7 @@ class RelayStream:
         except httpx.TimeoutException:
             self._tail = upstream_timeout(self._read_timeout_s).sse_event()
         except httpx.HTTPError as exc:
+            log.warning("stream from a replica broke off: %r", exc)
             self._tail = upstream_failed(f"the stream broke off: {exc!r}").sse_event()
         return await self.__anext__()
 

@@ -47,15 +47,14 @@ def events_of(deployment: RunningDeployment) -> list:
     return read_events(deployment.state_dir)[0]
 
 
-async def stream_completion(
-    client: httpx.AsyncClient, url: str, started: asyncio.Event | None = None, **body: object
-) -> dict:
+async def stream_completion(client: httpx.AsyncClient, url: str, live: dict | None = None, **body: object) -> dict:
     """One streamed completion: which replica served it, the text, finish reason, and whether it
-    ended with an error event."""
+    ended with an error event. `live`, when given, is filled in as the stream goes."""
     payload = {"model": "tiny", "prompt": "the cat sees", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
                "stream_options": {"include_usage": True}, **body}  # fmt: skip
     # vLLM may pack several tokens into one chunk when the reader lags: count tokens from usage.
-    result: dict = {"text": "", "finish_reason": None, "error": None, "chunks": 0, "tokens": None}
+    result: dict = live if live is not None else {}
+    result.update(text="", finish_reason=None, error=None, chunks=0, tokens=None, replica=None)
     async with client.stream("POST", f"{url}/v1/completions", json=payload) as response:
         result["status"] = response.status_code
         result["replica"] = response.headers.get("x-fathom-replica")
@@ -71,8 +70,6 @@ async def stream_completion(
             if not event.get("choices"):
                 continue
             result["chunks"] += 1
-            if started is not None:
-                started.set()
             choice = event["choices"][0]
             result["text"] += choice.get("text", "")
             result["finish_reason"] = choice.get("finish_reason") or result["finish_reason"]
@@ -178,10 +175,23 @@ async def test_killing_a_replica_under_load_fails_only_its_streams_and_it_comes_
     events_before = len(events_of(deployment))
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as client:
-        started = [asyncio.Event() for _ in range(20)]
-        streams = [asyncio.create_task(stream_completion(client, deployment.router_url, s)) for s in started]
-        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 240)
-        # On a busy machine a few streams may finish before the kill: only those still in
+        live: list[dict] = [{} for _ in range(20)]
+        streams = [asyncio.create_task(stream_completion(client, deployment.router_url, progress)) for progress in live]
+
+        def victim_is_generating() -> bool:
+            routed = all(p.get("replica") for p in live)
+            return routed and any(p["replica"] == victim.url and p["chunks"] and not p["finish_reason"] for p in live)
+
+        async with asyncio.timeout(240):
+            while not victim_is_generating():
+                failed = [
+                    p
+                    for p, task in zip(live, streams, strict=True)
+                    if task.done() and (p.get("status") != 200 or p["error"])
+                ]
+                assert not failed, f"streams failed before the kill: {failed}"
+                await asyncio.sleep(0.01)
+        # On a busy machine some streams may finish before the kill: only those still in
         # flight at the kill are expected to be cut.
         in_flight = [not task.done() for task in streams]
         os.killpg(victim.pid, signal.SIGKILL)
@@ -230,9 +240,12 @@ async def test_stopping_drains_in_flight_requests_then_stops_every_replica(deplo
     assert state is not None
     replica_pids = [r.pid for r in state.replicas if r.pid]
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as client:
-        started = asyncio.Event()
-        in_flight = asyncio.create_task(stream_completion(client, deployment.router_url, started))
-        await asyncio.wait_for(started.wait(), 120)
+        live: dict = {}
+        in_flight = asyncio.create_task(stream_completion(client, deployment.router_url, live))
+        async with asyncio.timeout(120):
+            while not live.get("chunks"):
+                assert not in_flight.done(), f"the stream ended before its first token: {in_flight.result()}"
+                await asyncio.sleep(0.01)
         assert request_stop(deployment.state_dir)
         result = await asyncio.wait_for(in_flight, 240)
     assert result["error"] is None and result["finish_reason"] == "length" and result["tokens"] == STREAM_TOKENS
