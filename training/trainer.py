@@ -131,13 +131,16 @@ class Trainer:
             loss.backward()
             return loss.detach()
         losses: list[torch.Tensor] = []
+        # return_outputs=False: otherwise the last stage keeps every micro-batch's logits (batch ×
+        # seq × vocab each) until the step ends, to hand them back merged; only the losses are used.
         with self._autocast():
             if m.has_first_stage:
-                m.schedule.step(inputs, target=targets if m.has_last_stage else None, losses=losses)
+                target = targets if m.has_last_stage else None
+                m.schedule.step(inputs, target=target, losses=losses, return_outputs=False)
             elif m.has_last_stage:
-                m.schedule.step(target=targets, losses=losses)
+                m.schedule.step(target=targets, losses=losses, return_outputs=False)
             else:
-                m.schedule.step()
+                m.schedule.step(return_outputs=False)
         if not m.has_last_stage:
             return torch.zeros(())
         return torch.stack(losses).sum().detach()  # each already scaled by loss_scale
