@@ -4,41 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
-
+from controlplane.streams import EventStreamConsumer
 from deployments import services
 from deployments.models import Deployment
 
 
-class DeploymentConsumer(AsyncJsonWebsocketConsumer):
-    async def connect(self) -> None:
-        user = self.scope.get("user")
-        deployment_id = int(self.scope["url_route"]["kwargs"]["deployment_id"])
-        if not await _owns(user, deployment_id):
-            await self.close(code=4404)
-            return
-        self.group = services.group(deployment_id)
-        await self.channel_layer.group_add(self.group, self.channel_name)
-        await self.accept()
-        history = await _history(deployment_id)
-        if history:
-            await self.send_json({"type": "events", "events": history})
+class DeploymentConsumer(EventStreamConsumer):
+    url_kwarg = "deployment_id"
 
-    async def disconnect(self, code: int) -> None:
-        if hasattr(self, "group"):
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+    def load_owned(self, user: Any, object_id: int) -> Deployment | None:
+        if user is None or not user.is_authenticated:
+            return None
+        return Deployment.objects.filter(pk=object_id, owner=user).first()
 
-    async def deployment_events(self, message: dict[str, Any]) -> None:
-        await self.send_json({"type": "events", "events": message["events"]})
+    def group_for(self, object_id: int) -> str:
+        return services.group(object_id)
 
-
-@database_sync_to_async
-def _owns(user: Any, deployment_id: int) -> bool:
-    return bool(user and user.is_authenticated and Deployment.objects.filter(pk=deployment_id, owner=user).exists())
-
-
-@database_sync_to_async
-def _history(deployment_id: int) -> list[dict[str, Any]]:
-    events = Deployment.objects.get(pk=deployment_id).events.order_by("-seq")[:500]
-    return [e.as_message() for e in reversed(list(events))]
+    def events_after(self, subject: Deployment, after: int, limit: int) -> list[dict[str, Any]]:
+        return [e.as_message() for e in subject.events.filter(seq__gt=after).order_by("seq")[:limit]]

@@ -87,7 +87,7 @@ def do_record(deployment: Deployment, kind: str, data: dict[str, Any]) -> Deploy
 def publish(deployment_id: int, messages: list[dict[str, Any]]) -> None:
     layer = get_channel_layer()
     if layer is not None:
-        async_to_sync(layer.group_send)(group(deployment_id), {"type": "deployment.events", "events": messages})
+        async_to_sync(layer.group_send)(group(deployment_id), {"type": "stream.events", "events": messages})
 
 
 def group(deployment_id: int) -> str:

@@ -36,11 +36,19 @@ def device() -> DeviceInfo:
 
 
 def check_options(options: dict[str, Any], export_path: str = "") -> ReplicaOptions:
-    """Replica options, checked against the device (and the checkpoint once it is exported)."""
+    """Replica options, checked against the device (and the checkpoint once it is exported).
+
+    Without a max_model_len, a replica serves the checkpoint's whole context (capped at 1024 on
+    CPU and 8192 elsewhere, vLLM's KV cache being sized for it)."""
     try:
-        checked = ReplicaOptions.from_dict({"device": settings.SERVING_DEVICE, **options})
-        if export_path:
-            check_compatible(checked, CheckpointInfo.read(export_path), device())
+        given = {"device": settings.SERVING_DEVICE, **options}
+        checkpoint = CheckpointInfo.read(export_path) if export_path else None
+        if "max_model_len" not in options and checkpoint is not None and checkpoint.max_position_embeddings:
+            cap = 1024 if settings.SERVING_DEVICE == "cpu" else 8192
+            given["max_model_len"] = min(checkpoint.max_position_embeddings, cap)
+        checked = ReplicaOptions.from_dict(given)
+        if checkpoint is not None:
+            check_compatible(checked, checkpoint, device())
     except OptionError as exc:
         raise InvalidInput(f"options.{exc.field}", exc.message) from None
     except TypeError as exc:
@@ -69,6 +77,11 @@ def start(deployment: Deployment) -> int:
     """Exports the checkpoint if needed and starts the deployment's supervisor; returns its pid."""
     export_path = exports.export(deployment.checkpoint)
     config = config_for(deployment, export_path)
+    # Keep what the replicas really run with (defaults filled in): the router checks prompt
+    # lengths against max_model_len, and the page shows it.
+    resolved = {k: v for k, v in config.options.to_dict().items() if k != "device"}
+    Deployment.objects.filter(pk=deployment.pk).update(options=resolved)
+    deployment.options = resolved
     with transaction.atomic():
         for index in range(deployment.replicas):
             Replica.objects.get_or_create(deployment=deployment, index=index)

@@ -358,7 +358,7 @@ def _apply(run: Run, events: list[RunEvent]) -> None:
 def publish_run_events(run_id: int, messages: list[dict[str, Any]]) -> None:
     layer = get_channel_layer()
     if layer is not None:
-        async_to_sync(layer.group_send)(run_group(run_id), {"type": "run.events", "events": messages})
+        async_to_sync(layer.group_send)(run_group(run_id), {"type": "stream.events", "events": messages})
 
 
 def run_group(run_id: int) -> str:

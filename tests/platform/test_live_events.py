@@ -107,3 +107,30 @@ def test_reconcile_leaves_a_run_whose_agent_holds_its_lock_however_quiet(alice):
     assert reconcile_runs() == 1  # the lock is free: the agent is gone
     run.refresh_from_db()
     assert run.status == "failed"
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_deployment_stream_replays_after_the_clients_seq_then_goes_live(alice):
+    from deployments import services as deployment_services
+    from deployments.models import Deployment
+    from runs.models import Checkpoint
+
+    def make() -> Deployment:
+        run = Run.objects.create(owner=alice, name="served", spec={})
+        checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+        deployment = Deployment.objects.create(owner=alice, name="d", checkpoint=checkpoint, served_model_name="d")
+        for kind in ("created", "replica_starting", "replica_ready"):
+            deployment_services.do_record(deployment, kind, {"replica": 0})
+        return deployment
+
+    deployment = await database_sync_to_async(make)()
+    headers = [(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1"),
+               (b"authorization", f"Token {(await database_sync_to_async(Token.objects.get_or_create)(user=alice))[0].key}".encode())]
+    communicator = WebsocketCommunicator(application, f"/ws/deployments/{deployment.pk}/?after=1", headers=headers)
+    assert (await communicator.connect())[0]
+    replay = await communicator.receive_json_from(timeout=5)
+    assert [e["kind"] for e in replay["events"]] == ["replica_starting", "replica_ready"]
+    await database_sync_to_async(deployment_services.do_record)(deployment, "metrics", {"tokens_per_s": 12.5})
+    live = await communicator.receive_json_from(timeout=5)
+    assert [(e["seq"], e["kind"], e["tokens_per_s"]) for e in live["events"]] == [(4, "metrics", 12.5)]
+    await communicator.disconnect()
