@@ -114,7 +114,9 @@ class Trainer:
     # --- One step -----------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.spec.layout.precision == "bf16":
+        """bf16 by autocast only where FSDP is not applied: under FSDP its mixed-precision policy
+        gathers bf16 weights itself (parallel/fsdp.py)."""
+        if self.spec.layout.precision == "bf16" and not self.dims.fsdp_enabled:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

@@ -113,3 +113,10 @@ def test_bf16_autocast_trains_close_to_fp32(reference: Events, tiny_data: DataCo
     parity = Parity(reference=reference, parallel=launch(spec, tmp_path, TIMEOUT))
     # bf16 keeps 8 bits of mantissa: close to fp32, but not within the fp32 tolerance.
     assert 0 < parity.max_delta("loss") <= 2e-2, parity
+
+
+def test_bf16_under_zero3_fsdp_trains_close_to_fp32(reference: Events, tiny_data: DataConfig, tmp_path: Path) -> None:
+    # FSDP's mixed precision (bf16 gathers, fp32 reduce-scatter) instead of autocast.
+    spec = with_data(parity_spec(STEPS, dp=2, zero=3, precision="bf16"), tiny_data)
+    parity = Parity(reference=reference, parallel=launch(spec, tmp_path, TIMEOUT))
+    assert 0 < parity.max_delta("loss") <= 2e-2, parity

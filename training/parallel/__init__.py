@@ -5,7 +5,8 @@
 1. pipeline split (pipeline.py): keep only this rank's stages of the seeded full model;
 2. tensor parallelism (tensor.py): shard each stage's weights over tp, by submodule name;
 3. activation recompute (recompute.py): wrap the TP-sharded blocks;
-4. FSDP2 (fsdp.py, zero 1–3): shard the wrapped blocks' (DTensor) parameters over dp;
+4. FSDP2 (fsdp.py, zero 1–3): shard the wrapped blocks' (DTensor) parameters over dp, in bf16
+   mixed precision when the layout asks for bf16 (the trainer autocasts only without FSDP);
 5. gradient all-reduce hooks (replicate.py, zero 0 with dp > 1): on the final parameters;
 6. the pipeline schedule (pipeline.py) over the finished stage modules.
 
@@ -71,7 +72,7 @@ def parallelize(
         apply_recompute(part, lay.recompute)
         if dims.fsdp_enabled:
             assert mesh is not None
-            apply_fsdp(part, mesh["dp"], dims.zero)
+            apply_fsdp(part, mesh["dp"], dims.zero, lay.precision)
     grad_sync = None
     if dims.replicate_enabled:
         assert mesh is not None

@@ -13,12 +13,18 @@ what it lets one choose is whether a block's parameters are freed again right af
 zero=0 is not FSDP: parameters are replicated and gradients all-reduced (parallel/replicate.py).
 Each transformer block is its own unit so its all-gather overlaps the previous block's compute;
 the embedding and the norm+head are units of their own, then the root takes what is left.
+
+bf16 under FSDP is FSDP2's mixed precision, not autocast: the fp32 shards stay the master copy,
+each unit's all-gather casts to bf16 (half the traffic) and frees the bf16 weights with the
+unit, and gradients are reduce-scattered in fp32. Autocast over FSDP would gather fp32 and
+keep its bf16 copies of every weight alive until backward, unsharded.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from training.model import Transformer
 
@@ -29,19 +35,27 @@ def reshard_after_forward(zero: int) -> bool:
     return zero == 3
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero: int) -> None:
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a layout's precision: bf16 compute with fp32 gradient reduction, or none."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero: int, precision: str = "fp32") -> None:
     """Shards `model` (or a pipeline stage of it) in place over `dp_mesh`.
 
     With tensor parallelism already applied the parameters are DTensors on the tp mesh, and FSDP2
     shards them further over dp (2-D: `dp_mesh` and the tp mesh must come from one DeviceMesh).
     """
     reshard = reshard_after_forward(zero)
+    policy = mixed_precision(precision)
     if model.embed_tokens is not None:
-        fully_shard(model.embed_tokens, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(model.embed_tokens, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     if model.norm is not None and model.lm_head is not None:
         # The head runs last in forward and first in backward: keeping it whole in between saves an
         # all-gather at no memory cost worth naming (torchtitan does the same).
-        fully_shard([model.norm, model.lm_head], mesh=dp_mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard([model.norm, model.lm_head], mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
