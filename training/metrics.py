@@ -61,21 +61,37 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def measure_matmul_peak(n: int = 1024, seconds: float = 0.5, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Best fp32 FLOP/s of an n×n matmul on this process's threads: the denominator of CPU MFU.
+def measure_matmul_peak(
+    n: int = 1024,
+    seconds: float = 0.5,
+    clock: Callable[[], float] = time.perf_counter,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Best FLOP/s of an n×n matmul (fp32 unless `dtype`) on this process's threads or `device`:
+    the denominator of MFU where no data-sheet peak applies.
 
     A vendor's peak assumes every core at full vector throughput; the measured best of a large
     matmul is what the model's own matmuls could at most reach here, so MFU reads as a fraction of
     the achievable. The best, not the mean, of repeated runs discounts interference from others;
-    `clock=time.thread_time` counts only the time this thread ran (a busy shared host).
+    `clock=time.thread_time` counts only the time this thread ran (a busy shared host). On a GPU
+    each matmul is waited for, since kernels launch asynchronously.
     """
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    device = device or torch.device("cpu")
+
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)  # warm-up: thread pool, caches
+    wait()
     best = 0.0
     deadline = time.perf_counter() + seconds
     while True:
         start = clock()
         torch.mm(a, b)
+        wait()
         elapsed = clock() - start
         best = max(best, 2.0 * n**3 / elapsed)
         if time.perf_counter() > deadline:

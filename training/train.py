@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from training.config import RunSpec
 from training.data import prepare_data
+from training.device import activate, device_from_environment
 from training.hooks import build_hooks
 from training.metrics import EventLog
 from training.trainer import Trainer
@@ -57,8 +58,10 @@ def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
         )
     # Before the process group: tokenizing a large corpus may take longer than any collective timeout.
     data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, run_dir / "data")
+    device = device_from_environment()  # CUDA + NCCL on GPU LOCAL_RANK when there is one, else CPU + gloo
+    activate(device)
     if world_size > 1:
-        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(device.backend, timeout=COLLECTIVE_TIMEOUT)
     events = None
     if rank == 0:
         keep_spec(run_dir / "spec.json", spec_text)
@@ -71,6 +74,7 @@ def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
         world_size=world_size,
         hooks=build_hooks(spec, rank, world_size),
         events=events,
+        device=device,
     )
     trainer.fit()
     if events is not None:

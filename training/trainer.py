@@ -22,8 +22,9 @@ from torch.distributed.fsdp import FSDPModule
 from training.checkpoint import Checkpointer, latest_checkpoint, remove_uncommitted
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
+from training.device import CPU, ComputeDevice, device_peak_memory_mb, peak_flops
 from training.hooks import TrainHook
-from training.metrics import EventLog, measure_matmul_peak, mfu, peak_memory_mb, step_line
+from training.metrics import EventLog, mfu, step_line
 from training.model import Transformer, cross_entropy_loss, flops_per_token
 from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
@@ -67,8 +68,10 @@ class Trainer:
         world_size: int = 1,
         hooks: list[TrainHook] | None = None,
         events: EventLog | None = None,
+        device: ComputeDevice = CPU,
     ) -> None:
         self.spec = spec
+        self.device = device
         self.run_dir = run_dir
         self.rank = rank
         self.world_size = world_size
@@ -76,7 +79,7 @@ class Trainer:
         self.events = events
         self.distributed = world_size > 1
         self.dims = ParallelDims.from_layout(spec.layout, world_size)
-        self.mesh = self.dims.build_mesh() if self.distributed else None
+        self.mesh = self.dims.build_mesh(device.type) if self.distributed else None
         coords = self.dims.coordinates(rank)
         self.reports_loss = coords["tp"] == 0  # tp ranks hold the same loss; count it once
         self.shape = batch_shape(spec)
@@ -87,7 +90,13 @@ class Trainer:
         # micro-batches), so the accumulated gradient is that of the step's mean loss.
         self.loss_scale = 1.0 / self.shape.backward_passes
         self.model: ParallelModel = parallelize(
-            full, spec, self.dims, self.mesh, rank, partial(_micro_batch_loss, scale=self.loss_scale)
+            full,
+            spec,
+            self.dims,
+            self.mesh,
+            rank,
+            partial(_micro_batch_loss, scale=self.loss_scale),
+            device.torch_device,
         )
         self.params = [p for part in self.model.parts for p in part.parameters()]
         self.optimizers = [build_optimizer(part, spec.train) for part in self.model.parts]
@@ -109,7 +118,7 @@ class Trainer:
         )
         self.tokens_per_step = spec.train.global_batch * spec.model.seq_len
         self.flops_per_token = flops_per_token(spec.model)
-        self.peak_flops = measure_matmul_peak() if rank == 0 else 0.0
+        self.peak_flops = peak_flops(device, spec.layout.precision) if rank == 0 else 0.0
 
     # --- One step -----------------------------------------------------------------------------
 
@@ -117,7 +126,7 @@ class Trainer:
         """bf16 by autocast only where FSDP is not applied: under FSDP its mixed-precision policy
         gathers bf16 weights itself (parallel/fsdp.py)."""
         if self.spec.layout.precision == "bf16" and not self.dims.fsdp_enabled:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, last_pass: bool) -> torch.Tensor:
@@ -144,7 +153,7 @@ class Trainer:
             else:
                 m.schedule.step(return_outputs=False)
         if not m.has_last_stage:
-            return torch.zeros(())
+            return torch.zeros((), device=self.device.torch_device)
         return torch.stack(losses).sum().detach()  # each already scaled by loss_scale
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -156,8 +165,9 @@ class Trainer:
             for group in opt.param_groups:
                 group["lr"] = lr
         inputs, targets = self.windows.batch(self.sampler.next_indices())
+        inputs, targets = inputs.to(self.device.torch_device), targets.to(self.device.torch_device)
         micro = self.shape.micro_batch
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device.torch_device)
         for i in range(self.spec.train.grad_accum):
             chunk = slice(i * micro, (i + 1) * micro)
             loss += self.forward_backward(inputs[chunk], targets[chunk], last_pass=i == self.spec.train.grad_accum - 1)
@@ -170,7 +180,8 @@ class Trainer:
         if self.distributed:
             # Rank 0 may not hold the loss (pipeline) and each dp rank holds only its share: sum
             # every last-stage, first-tp rank's mean / dp over the world.
-            share = loss / self.dims.dp if (self.model.has_last_stage and self.reports_loss) else torch.zeros(())
+            holds_loss = self.model.has_last_stage and self.reports_loss
+            share = loss / self.dims.dp if holds_loss else torch.zeros((), device=self.device.torch_device)
             dist.all_reduce(share)
             loss = share
         step_time = time.perf_counter() - start
@@ -185,7 +196,7 @@ class Trainer:
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_flops * self.world_size),
                 "step_time": step_time,
-                "memory_mb": peak_memory_mb(),
+                "memory_mb": device_peak_memory_mb(self.device),
             }
             if self.events is not None:
                 self.events.emit("metrics", **metrics)

@@ -52,12 +52,16 @@ def parallelize(
     mesh: DeviceMesh | None,
     rank: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device | None = None,
 ) -> ParallelModel:
     """This rank's share of `full`, parallelized in the order of the module docstring.
 
     `loss_fn(logits, targets)` is what a pipeline schedule applies to each micro-batch on the last
     stage; it must already divide by the number of micro-batches (the schedule does not scale).
+    `full` is built on the CPU (the same seeded weights everywhere); each kept part moves to
+    `device` (default: the CPU) before it is sharded.
     """
+    device = device or torch.device("cpu")
     coords = dims.coordinates(rank)
     lay = spec.layout
     if dims.pp > 1:
@@ -66,6 +70,7 @@ def parallelize(
     else:
         stage_ids, parts = [0], [full]
     for part in parts:
+        part.to(device)
         if dims.tp > 1:
             assert mesh is not None
             apply_tp(part, mesh["tp"])
@@ -81,7 +86,14 @@ def parallelize(
     if dims.pp > 1:
         assert mesh is not None
         schedule = build_schedule(
-            parts, stage_ids, dims.num_stages, mesh["pp"].get_group(), lay.schedule, lay.microbatches, loss_fn
+            parts,
+            stage_ids,
+            dims.num_stages,
+            mesh["pp"].get_group(),
+            lay.schedule,
+            lay.microbatches,
+            loss_fn,
+            device,
         )
     return ParallelModel(
         parts=parts,

@@ -87,11 +87,11 @@ class ParallelDims:
         """Pipeline stages on pp rank r: r, r+pp, r+2·pp, … (looped, as the interleaved schedule expects)."""
         return [pp_rank + i * self.pp for i in range(self.stages_per_rank)]
 
-    def build_mesh(self) -> DeviceMesh:
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
-        return init_device_mesh("cpu", tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        return init_device_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
 
 
 def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:

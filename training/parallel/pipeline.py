@@ -58,9 +58,10 @@ def build_schedule(
     schedule: Schedule,
     microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
 ) -> _PipelineSchedule:
     stages: list[_PipelineStageBase] = [
-        PipelineStage(part, stage_id, num_stages, device=torch.device("cpu"), group=pp_group)
+        PipelineStage(part, stage_id, num_stages, device=device, group=pp_group)
         for part, stage_id in zip(parts, stage_ids, strict=True)
     ]
     if schedule == "interleaved_1f1b":

@@ -1,0 +1,35 @@
+"""One place picks where a rank computes: CUDA + NCCL on its own GPU when there is one, else CPU + gloo."""
+
+from __future__ import annotations
+
+import torch
+
+from training.device import CPU, ComputeDevice, choose_device, device_from_environment, peak_flops, table_peak_flops
+
+
+def test_without_a_gpu_a_rank_computes_on_the_cpu_with_gloo() -> None:
+    device = choose_device(local_rank=3, cuda_available=False)
+    assert device == CPU
+    assert (device.backend, device.torch_device) == ("gloo", torch.device("cpu"))
+
+
+def test_with_gpus_each_rank_takes_the_gpu_of_its_local_rank_with_nccl() -> None:
+    device = choose_device(local_rank=3, cuda_available=True)
+    assert device == ComputeDevice(type="cuda", backend="nccl", index=3)
+    assert device.torch_device == torch.device("cuda", 3)
+
+
+def test_this_host_without_cuda_trains_on_the_cpu() -> None:
+    assert torch.cuda.is_available() or device_from_environment() == CPU
+
+
+def test_gpu_peaks_come_from_the_data_sheet_by_device_name() -> None:
+    assert table_peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert table_peak_flops("NVIDIA H100 PCIe") == 756.0e12
+    assert table_peak_flops("NVIDIA L4") == 121.0e12
+    assert table_peak_flops("NVIDIA L40S") == 362.1e12
+    assert table_peak_flops("Some Future Accelerator") is None
+
+
+def test_the_cpu_peak_is_a_measured_matmul_rate() -> None:
+    assert peak_flops(CPU, "fp32") > 0

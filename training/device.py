@@ -1,0 +1,91 @@
+"""Where a rank computes: the one place that picks the device and the collective backend.
+
+A rank uses CUDA with NCCL when torch sees a GPU, its own GPU being `LOCAL_RANK` (torchrun's index
+of the process on its node); otherwise the CPU with gloo. Everything device-specific the trainer
+needs goes through `ComputeDevice`: the mesh's device type, where tensors go, autocast's device,
+the MFU denominator and the memory figure.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from training.metrics import measure_matmul_peak, peak_memory_mb
+
+# Dense bf16 tensor-core peak per GPU (vendor data sheets, without sparsity). The first name that
+# occurs in `torch.cuda.get_device_name()` wins, so a longer name goes before its prefix.
+BF16_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100", 989.4e12),
+    ("A100", 312.0e12),
+    ("L40S", 362.1e12),
+    ("L4", 121.0e12),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeDevice:
+    type: Literal["cpu", "cuda"]
+    backend: Literal["gloo", "nccl"]
+    index: int | None = None  # the GPU of this rank on its node; None on CPU
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.type) if self.index is None else torch.device(self.type, self.index)
+
+
+CPU = ComputeDevice(type="cpu", backend="gloo")
+
+
+def choose_device(local_rank: int, cuda_available: bool) -> ComputeDevice:
+    """CUDA + NCCL on GPU `local_rank` when there is a GPU, else CPU + gloo."""
+    if cuda_available:
+        return ComputeDevice(type="cuda", backend="nccl", index=local_rank)
+    return CPU
+
+
+def device_from_environment() -> ComputeDevice:
+    return choose_device(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.is_available())
+
+
+def activate(device: ComputeDevice) -> None:
+    """Binds this process to its GPU before the process group exists, so NCCL uses that GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device.torch_device)
+
+
+def table_peak_flops(device_name: str) -> float | None:
+    """The data-sheet bf16 peak of a GPU named `device_name`, or None if it is not in the table."""
+    for name, flops in BF16_PEAK_FLOPS:
+        if name in device_name:
+            return flops
+    return None
+
+
+def peak_flops(device: ComputeDevice, precision: str) -> float:
+    """The per-rank FLOP/s that MFU divides by.
+
+    CPU: the best measured fp32 matmul (metrics.measure_matmul_peak). CUDA in bf16: the data sheet's
+    peak for a known GPU; otherwise (fp32, or a GPU not in the table) a matmul probe on the GPU in
+    the run's precision.
+    """
+    if device.type == "cpu":
+        return measure_matmul_peak()
+    if precision == "bf16":
+        listed = table_peak_flops(torch.cuda.get_device_name(device.torch_device))
+        if listed is not None:
+            return listed
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return measure_matmul_peak(n=4096, device=device.torch_device, dtype=dtype)
+
+
+def device_peak_memory_mb(device: ComputeDevice) -> float:
+    """Peak memory of this rank where its tensors live: process memory on CPU, allocated GPU memory on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device.torch_device) / (1024 * 1024)
+    return peak_memory_mb()
