@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from training.config import tiny
@@ -16,14 +12,8 @@ from training.parallel.fsdp import apply_fsdp
 
 
 @pytest.fixture
-def dp_mesh(tmp_path: Path) -> Iterator[DeviceMesh]:
-    """A one-rank gloo group in this process: enough for FSDP2 to wrap and run a model."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    finally:
-        dist.destroy_process_group()
+def dp_mesh(one_rank_group: None) -> DeviceMesh:
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
 
 
 def test_bf16_fsdp_computes_in_bf16_and_keeps_fp32_shards_and_gradients(dp_mesh: DeviceMesh) -> None:

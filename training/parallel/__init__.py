@@ -33,7 +33,7 @@ from training.parallel.fsdp import apply_fsdp
 from training.parallel.pipeline import build_schedule, split_stage
 from training.parallel.recompute import apply_recompute
 from training.parallel.replicate import GradientAllReduce, apply_replicate
-from training.parallel.tensor import apply_tp
+from training.parallel.tensor import apply_tp, keep_embedding_grad_sharded
 
 
 @dataclass
@@ -74,6 +74,8 @@ def parallelize(
         if dims.tp > 1:
             assert mesh is not None
             apply_tp(part, mesh["tp"])
+            if not dims.fsdp_enabled:
+                keep_embedding_grad_sharded(part)
         apply_recompute(part, lay.recompute)
         if dims.fsdp_enabled:
             assert mesh is not None

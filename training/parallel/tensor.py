@@ -6,12 +6,17 @@ split heads / hidden columns across ranks (Colwise), and reduce-scatter their ou
 sequence slices (Rowwise with output Shard(1)). The embedding is split by vocabulary rows and the
 output head by vocabulary columns; the head's logits are gathered (Replicate) so the loss, and a
 pipeline schedule's loss function, see ordinary full-vocabulary logits.
+
+DTensor's embedding backward returns the vocabulary-split weight's gradient whole (Replicate):
+`keep_embedding_grad_sharded` cuts it back to this rank's rows as soon as it is accumulated, so
+it is neither kept nor all-reduced over dp whole.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -54,3 +59,22 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }
         parallelize_module(block, tp_mesh, block_plan)  # type: ignore[arg-type]
+
+
+def keep_embedding_grad_sharded(model: Transformer) -> None:
+    """After each accumulation into the TP embedding's gradient, keeps only this rank's vocabulary
+    rows of it, the weight's own placement (a local slice: no communication, the same values).
+
+    For TP without FSDP: FSDP2 reduces the gradients itself and replaces the parameters this hook
+    would be registered on. Registered before the zero=0 all-reduce hooks, it runs before them.
+    """
+    if model.embed_tokens is None:
+        return
+
+    @torch.no_grad()
+    def reshard(weight: torch.Tensor) -> None:
+        grad = weight.grad
+        if isinstance(weight, DTensor) and isinstance(grad, DTensor) and grad.placements != weight.placements:
+            weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
+
+    model.embed_tokens.weight.register_post_accumulate_grad_hook(reshard)
