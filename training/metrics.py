@@ -8,6 +8,8 @@ Event contract (one JSON object per line, appended and flushed line by line):
     {"kind": "resumed", "time": t, "step": n}        # started from the checkpoint of step n
     {"kind": "finished", "time": t, "step": n}
 
+`memory_mb` is rank 0's peak: process memory on CPU, allocated GPU memory on CUDA (training/device.py).
+
 Rank 0 also prints one line per step (`step_line`), on resume and on each committed checkpoint to
 stdout, flushed: the node agent captures it as the run's log, which users follow live.
 """
