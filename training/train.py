@@ -1,8 +1,9 @@
 """Rank entry point: `torchrun … -m training.train --spec spec.json --run-dir DIR`.
 
 Each rank computes on its GPU (`LOCAL_RANK`, NCCL) when torch sees one, else on the CPU with gloo
-(training/device.py). Also runs as a single process without torchrun (world size 1). On every start it resumes from the
-newest committed checkpoint in DIR, so torchrun's restarts after a crash need nothing else.
+(training/device.py). Also runs as a single process without torchrun (world size 1). On every start
+it resumes from the newest committed checkpoint in DIR, so torchrun's restarts after a crash need
+nothing else.
 """
 
 from __future__ import annotations
