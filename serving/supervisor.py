@@ -308,6 +308,7 @@ class Supervisor:
             served_model_name=cfg.name, port=free_port(cfg.host), python=cfg.python,
             state_dir=self._state_dir, host=cfg.host, cpu_threads_bind=bind,
         )  # fmt: skip
+        Path(launch.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)  # may lie outside state_dir
         log_path = self._state_dir / "logs" / f"replica-{replica.index}.log"
         argv = launch.argv
         if sys.platform == "linux":

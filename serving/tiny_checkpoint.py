@@ -159,3 +159,48 @@ def _train(model, tokenizer, text: list[str], spec: TinyLlamaSpec, torch) -> Non
         loss.backward()
         optimizer.step()
     model.eval()
+
+
+def quantize_int8_w8a8(source: Path, out_dir: Path) -> Path:
+    """Copy a checkpoint with its linear layers quantized the way vLLM's CPU int8 path reads them:
+    compressed-tensors "int-quantized", int8 weights with one symmetric scale per output channel,
+    activations quantized per token at run time. Embeddings and lm_head stay in float."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source, out_dir = Path(source), Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(source, out_dir)
+    quantized = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith("proj.weight"):  # q/k/v/o and the MLP's gate/up/down projections
+            scale = tensor.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+            quantized[name] = torch.clamp(torch.round(tensor / scale), -127, 127).to(torch.int8)
+            quantized[name.removesuffix("weight") + "weight_scale"] = scale.to(torch.float32)
+        else:
+            quantized[name] = tensor
+    save_file(quantized, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                },
+            }
+        },
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "fathom-tiny-llama.json").unlink(missing_ok=True)  # no longer the spec's checkpoint
+    return out_dir

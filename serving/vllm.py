@@ -25,6 +25,7 @@ What vLLM 0.32 supports, read from its source (`vllm/platforms/cpu.py`,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -331,6 +332,21 @@ def _check_quantization(options: ReplicaOptions, ckpt: CheckpointInfo, device: D
         )
 
 
+# vLLM puts its ZeroMQ sockets in TMPDIR as "<TMPDIR>/<uuid4>"; a Unix socket path holds at most
+# 107 bytes, so TMPDIR may hold 70. A longer state directory gets a short one under /tmp.
+_MAX_TMPDIR_LEN = 70
+
+
+def replica_tmpdir(state_dir: str | Path) -> Path:
+    """Where a replica's temporary files (and vLLM's IPC sockets) go: `state_dir/tmp` when that
+    path is short enough for a Unix socket inside it, else `/tmp/fathom-<hash of state_dir>`."""
+    preferred = Path(state_dir).absolute() / "tmp"
+    if len(str(preferred)) <= _MAX_TMPDIR_LEN:
+        return preferred
+    digest = hashlib.sha1(str(preferred).encode()).hexdigest()[:16]
+    return Path("/tmp") / f"fathom-{digest}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     """What starts one replica: argv, the environment to add to the parent's, and where it listens."""
@@ -385,7 +401,7 @@ def replica_launch(
         "HF_HUB_OFFLINE": "1",  # weights come from disk only; a replica host may have no network
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CACHE_ROOT": str(state / "vllm-cache"),
-        "TMPDIR": str(state / "tmp"),
+        "TMPDIR": str(replica_tmpdir(state)),
         "PYTHONUNBUFFERED": "1",  # log lines reach the replica's log file as they happen
     }
     if options.device == "cpu":

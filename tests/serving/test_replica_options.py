@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from serving.supervisor import DeploymentConfig
-from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, replica_launch
+from serving.vllm import (
+    CheckpointInfo,
+    DeviceInfo,
+    OptionError,
+    ReplicaOptions,
+    check_compatible,
+    replica_launch,
+    replica_tmpdir,
+)
 
 CPU = DeviceInfo(kind="cpu", cpu_flags=frozenset({"avx512f", "avx512_bf16"}))
 CPU_WITH_AMX = DeviceInfo(kind="cpu", cpu_flags=frozenset({"avx512f", "amx_tile", "amx_bf16"}))
@@ -197,8 +205,24 @@ def test_the_cpu_launch_sets_kv_cache_cores_and_keeps_files_in_the_state_dir(tmp
     assert argv[argv.index("--block-size") + 1] == "64"
     assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert launch.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and launch.env["TMPDIR"].startswith(str(tmp_path))
+    assert launch.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and launch.env["TMPDIR"] == str(
+        replica_tmpdir(tmp_path)
+    )
     assert launch.url == "http://127.0.0.1:8123"
+
+
+def test_a_deep_state_dir_still_gives_vllm_a_tmpdir_short_enough_for_its_sockets(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / "deployments" / "tiny"
+    tmpdir = replica_launch(ReplicaOptions(), "/ckpt", served_model_name="m", port=1, python="py", state_dir=deep).env[
+        "TMPDIR"
+    ]
+    assert len(tmpdir) + len("/") + 36 <= 107  # vLLM's socket: TMPDIR/<uuid4>
+    assert (
+        tmpdir
+        == replica_launch(ReplicaOptions(), "/ckpt", served_model_name="m", port=2, python="py", state_dir=deep).env[
+            "TMPDIR"
+        ]
+    )
 
 
 def test_the_cuda_launch_sets_the_memory_fraction_instead_of_a_cpu_cache(tmp_path: Path) -> None:
