@@ -11,8 +11,9 @@ What vLLM 0.32 supports, read from its source (`vllm/platforms/cpu.py`,
 - CPU attention takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and KV blocks
   that are multiples of 32 (default 128). The KV cache size is `VLLM_CPU_KVCACHE_SPACE`, whole GiB.
 - CPU int8 is W8A8 only (oneDNN `int8_scaled_mm`): a compressed-tensors checkpoint with int8
-  weights and int8 activations. There is no int8 weight-only (W8A16) CPU kernel; the
-  `int8_per_channel_weight_only` online method quantizes MoE experts only, not dense layers.
+  weights and int8 activations (served here: tests/serving/test_quantized_replica.py). There is
+  no int8 weight-only (W8A16) CPU kernel (a W8A16 checkpoint fails vLLM's config validation);
+  the `int8_per_channel_weight_only` online method quantizes MoE experts only.
 - CPU int4 is weight-only W4A16 (`CPUWNA16`): GPTQ / AWQ / compressed-tensors 4-bit checkpoints
   whose linear input and output sizes are multiples of 32. vLLM does not quantize to int4 online.
 - CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer).
@@ -85,6 +86,8 @@ class ReplicaOptions:
     # Tokens per KV block; None takes vLLM's default (128 on CPU, 16 on CUDA).
     block_size: int | None = None
     enable_prefix_caching: bool = True
+    # "auto" takes the checkpoint's dtype but downcasts float32 to the platform's first choice
+    # (bfloat16 on x86 CPUs and GPUs); ask for "float32" to serve exactly what was trained.
     dtype: Dtype = "auto"
     quantization: Quantization = "none"
     # Skip graph capture / torch.compile: ready in ~30 s instead of ~60-130 s on CPU, slower decode.
