@@ -541,26 +541,27 @@ def state_bytes(params: float, dp: int, zero: int) -> tuple[float, float, float]
 class Implementation:
     """Trainer behaviours that change the cost of a layout without changing the layout.
 
-    The defaults are Fathom's trainer as measured (tests/planner/calibration.py). `FIXED` is the same
-    trainer with three changes, each a line or two: `schedule.step(..., return_outputs=False)`,
-    FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` in place of autocast
-    over FSDP, and the embedding's gradient kept vocabulary-split under tensor parallelism."""
+    The defaults are Fathom's trainer as it is (measured by tests/planner/calibration.py).
+    `BEFORE_FIXES` is the trainer as first measured, before three changes the planner pointed to:
+    `schedule.step(..., return_outputs=False)`, FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)` in place of autocast over FSDP, and the embedding's gradient kept
+    vocabulary-split under tensor parallelism."""
 
-    # torch's pipeline schedules keep every micro-batch's logits on the last stage to return them.
-    pipeline_keeps_outputs: bool = True
+    # True: the last pipeline stage keeps every micro-batch's logits until the step ends.
+    pipeline_keeps_outputs: bool = False
     # bf16 under FSDP: False = autocast over fp32 gathered weights (fp32 gathers, bf16 copies saved
     # for backward); True = FSDP gathers bf16 weights and computes on them (no copies).
-    fsdp_bf16_params: bool = False
-    # DTensor's embedding backward returns the vocabulary-split weight's gradient replicated.
-    replicated_embedding_grad: bool = True
+    fsdp_bf16_params: bool = True
+    # True: the vocabulary-split embedding's gradient comes back replicated (DTensor's default).
+    replicated_embedding_grad: bool = False
 
     def gathered_weight_bytes(self, precision: Precision) -> float:
         return 2.0 if (self.fsdp_bf16_params and precision == "bf16") else WEIGHT_BYTES
 
 
 FATHOM = Implementation()
-FIXED = Implementation(pipeline_keeps_outputs=False, fsdp_bf16_params=True, replicated_embedding_grad=False)
-IMPLEMENTATIONS = {"fathom": FATHOM, "fixed": FIXED}
+BEFORE_FIXES = Implementation(pipeline_keeps_outputs=True, fsdp_bf16_params=False, replicated_embedding_grad=True)
+IMPLEMENTATIONS = {"fathom": FATHOM, "before-fixes": BEFORE_FIXES}
 
 
 def working_weights(

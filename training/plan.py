@@ -82,7 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--trainer",
         choices=sorted(IMPLEMENTATIONS),
         default="fathom",
-        help="fathom: the trainer as it is; fixed: with the changes layout_costs.Implementation names",
+        help="fathom: the trainer as it is; before-fixes: before the changes layout_costs.Implementation names",
     )
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--rejected", type=int, default=5, help="how many rejection reasons to list")

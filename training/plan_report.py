@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.layout_costs import DEVICES, FATHOM, FIXED, Cluster, Estimate, GiB, model_preset
+from training.layout_costs import BEFORE_FIXES, DEVICES, FATHOM, Cluster, Estimate, GiB, model_preset
 from training.planner import PlanResult, plan
 
 CLUSTER = Cluster(device=DEVICES["h100"], nodes=128, devices_per_node=8)
@@ -174,11 +174,11 @@ def _verdict(e: Estimate | None, best: Estimate | None) -> str:
 
 
 def plans(name: str) -> tuple[PlanResult, PlanResult]:
-    """The model's plans with Fathom's trainer as it is and with the fixes."""
+    """The model's plans with Fathom's trainer before the three fixes and as it is now."""
     model = model_preset(name)
     return (
+        plan(model, CLUSTER, GLOBAL_BATCH, precision="bf16", impl=BEFORE_FIXES),
         plan(model, CLUSTER, GLOBAL_BATCH, precision="bf16", impl=FATHOM),
-        plan(model, CLUSTER, GLOBAL_BATCH, precision="bf16", impl=FIXED),
     )
 
 
@@ -191,7 +191,7 @@ def model_section(name: str, as_is: PlanResult, fixed: PlanResult) -> list[str]:
         f"ffn {model.ffn_dim}, vocab {model.vocab_size}, seq {model.seq_len}.",
         "",
     ]
-    for title, result in (("Fathom's trainer as it is", as_is), ("With the three fixes", fixed)):
+    for title, result in (("Fathom's trainer before the three fixes", as_is), ("Fathom's trainer now, with the fixes", fixed)):
         out += [
             f"### {title}",
             "",
@@ -238,10 +238,9 @@ weights). Matmuls are assumed to sustain 60 % of peak; MFU counts 6 FLOPs per ma
 ## What the estimates assume
 
 - **Fathom's trainer, not an idealised one.** Weights, gradients and AdamW moments are fp32
-  (16 bytes per parameter, the weight being its own master copy); autocast's bf16 weight copies are
-  saved for backward, so they are held whole whatever the ZeRO stage; FSDP gathers fp32 weights;
-  zero 1 runs as 2; the last pipeline stage keeps every micro-batch's logits until the step ends
-  (torch's schedules return them unless `return_outputs=False`). These are measured on CPU
+  (16 bytes per parameter, the weight being its own master copy); under FSDP, bf16 runs gather
+  bf16 weights (FSDP2's mixed precision) and reduce in fp32; without FSDP, autocast's bf16 weight
+  copies are saved for backward; zero 1 runs as 2. These are measured on CPU
   (`tests/planner/calibration.py`: 8 layouts on CPU, every memory and traffic figure within 15 %,
   the worst 3.3 %).
   Megatron and torchtitan hold bf16 weights for compute and gather bf16, so at equal degrees they
@@ -254,11 +253,11 @@ weights). Matmuls are assumed to sustain 60 % of peak; MFU counts 6 FLOPs per ma
 - **Time** is compute at 60 % of peak, plus tensor-parallel traffic on the critical path (no async
   TP), pipeline bubble (pp−1)/(micro-batches·virtual stages), pipeline sends, and the part of
   data-parallel traffic that the last backward or the prefetch does not hide.
-- **The three fixes** (`training.layout_costs.FIXED`), each a line or two in the trainer:
+- **The three fixes**, now in the trainer (`training.layout_costs.BEFORE_FIXES` plans without them):
   `schedule.step(..., return_outputs=False)` so the last stage drops each micro-batch's logits after
   its backward; FSDP2 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` instead of
   autocast over FSDP, so FSDP gathers bf16 and no bf16 copies are saved; the embedding's gradient kept
-  vocabulary-split under TP. Every model below is planned both ways.
+  vocabulary-split under TP. Every model below is planned both ways, to show what they bought.
 - **Not searched:** context parallelism, Float8, activation offload.
 
 """
@@ -273,14 +272,14 @@ def findings(results: dict[str, tuple[PlanResult, PlanResult]]) -> list[str]:
             smallest = min(as_is.too_big, key=lambda e: e.memory.total)
             mem = smallest.memory
             now_text = (
-                f"no layout fits as the trainer is: the smallest, `{smallest.label}`, needs "
+                f"no layout fits before the fixes: the smallest, `{smallest.label}`, needs "
                 f"{mem.total / GiB:.0f} GiB, of which {mem.working_weights / GiB:.0f} GiB gathered weights and bf16 "
                 f"copies and {mem.activations / GiB:.0f} GiB activations"
             )
         else:
-            now_text = f"as the trainer is, `{now.label}` at MFU {now.mfu:.0%} ({len(as_is.ranked)} layouts fit)"
+            now_text = f"before the fixes, `{now.label}` at MFU {now.mfu:.0%} ({len(as_is.ranked)} layouts fit)"
         then_text = (
-            f"with the fixes, `{then.label}` at MFU {then.mfu:.0%} ({len(fixed.ranked)} layouts fit)"
+            f"with them (the trainer now), `{then.label}` at MFU {then.mfu:.0%} ({len(fixed.ranked)} layouts fit)"
             if then is not None
             else "with the fixes still nothing fits"
         )
