@@ -10,8 +10,8 @@ import torch
 
 from training.config import ModelConfig, Schedule
 from training.layout_costs import (
-    DEVICES,
     BEFORE_FIXES,
+    DEVICES,
     FATHOM,
     MODEL_NAMES,
     Candidate,
