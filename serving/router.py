@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -224,7 +225,10 @@ class Router:
     def routable(self) -> list[Backend]:
         now = time.monotonic()
         live = []
-        for endpoint in self._source.endpoints():
+        endpoints = self._source.endpoints()
+        if len(self._backends) > 2 * len(endpoints) + 8:
+            self._forget_gone({e.key for e in endpoints})
+        for endpoint in endpoints:
             if self._ejected_until.get(endpoint.key, 0.0) > now:
                 continue
             backend = self._backends.get(endpoint.key)
@@ -233,7 +237,16 @@ class Router:
             live.append(backend)
         return live
 
-    def pick(self, exclude: set[str] = frozenset()) -> Backend | None:  # type: ignore[assignment]
+    def _forget_gone(self, listed: set[str]) -> None:
+        """Drop what is kept about replicas no longer listed (a restarted replica comes back on a
+        new port, so keys accumulate) once nothing of theirs is in flight."""
+        for key in list(self._backends):
+            if key not in listed and not self._outstanding.get(key):
+                self._backends.pop(key, None)
+                self._outstanding.pop(key, None)
+                self._ejected_until.pop(key, None)
+
+    def pick(self, exclude: AbstractSet[str] = frozenset()) -> Backend | None:
         candidates = [b for b in self.routable() if b.key not in exclude]
         if not candidates:
             return None

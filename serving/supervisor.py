@@ -250,6 +250,8 @@ class Supervisor:
         """Drain every replica (stop routing, let in-flight requests finish up to
         `drain_timeout_s`), terminate it with its children, and return when all are gone."""
         self._stopping = True
+        if self._client is None:  # never started: nothing runs, nothing to record
+            return
         await asyncio.gather(*(self._stop_replica(r) for r in self._replicas))
         for task in self._tasks:
             task.cancel()

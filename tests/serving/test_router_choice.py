@@ -171,3 +171,19 @@ def test_the_state_file_source_lists_only_ready_replicas_and_follows_changes(tmp
     assert [e.url for e in source.endpoints()] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     write(["ready", "ready"], stopping=True)
     assert source.endpoints() == []
+
+
+async def test_replicas_that_left_the_source_are_forgotten_once_idle() -> None:
+    class Moving:
+        urls = ["http://127.0.0.1:1"]
+
+        def endpoints(self) -> list[ReplicaEndpoint]:
+            return [ReplicaEndpoint(u, u) for u in self.urls]
+
+    source = Moving()
+    router = Router(source, model="tiny")
+    for port in range(2, 40):  # a replica restarting again and again, on a new port each time
+        source.urls = [f"http://127.0.0.1:{port}"]
+        assert [b.key for b in router.routable()] == source.urls
+    assert len(router._backends) <= 2 * 1 + 8 + 1
+    await router.aclose()
