@@ -99,9 +99,10 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) ->
 
 
 async def _load(url: str, concurrency: int, tokens: int) -> tuple[float, float]:
-    """`concurrency` streams at once; return (output tokens/s, TTFT p50 in s)."""
+    """`concurrency` streams at once; return (output tokens/s, TTFT p50 in s). No keep-alive:
+    httpcore 1.0.9 would run concurrent requests over one reused connection one at a time."""
     async with httpx.AsyncClient(
-        timeout=600, limits=httpx.Limits(max_connections=None, keepalive_expiry=3.0), trust_env=False
+        timeout=600, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0), trust_env=False
     ) as client:
         start = time.perf_counter()
         results = await asyncio.gather(

@@ -136,8 +136,8 @@ class HttpBackend:
             try:
                 response = await self._client.send(request, stream=True)
             except (httpx.RemoteProtocolError, httpx.ReadError):
-                # Most often a pooled keep-alive connection the replica closed just as it was
-                # reused; one retry on a fresh connection tells that from a dead replica.
+                # A reused keep-alive connection the replica closed just as it was taken (with a
+                # caller-supplied pooled client); one retry tells that from a dead replica.
                 response = await self._client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
             # No response head: the replica generated nothing for this request.
@@ -199,10 +199,11 @@ class Router:
         self._timeouts = timeouts
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(timeouts.read_s, connect=timeouts.connect_s),
-            # Every stream holds a connection; the default pool of 100 would queue the 101st.
-            # keepalive_expiry under uvicorn's 5 s keep-alive timeout (vLLM's server): reusing a
-            # connection the server is closing at that instant fails the request.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=3.0),
+            # No keep-alive pool: httpcore 1.0.9 hands one idle HTTP/1.1 connection to every request
+            # queued in the same pass; all but one then wait for it, so concurrent requests to a
+            # replica run one after another (encode/httpcore#1110-1111; measured here: 32 streams
+            # took 5 s instead of 0.7 s). A new loopback connection per request costs ~0.1 ms.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
             trust_env=False,
         )
         self._factory = backend_factory or (lambda e, c: HttpBackend(e.key, e.url, c))
