@@ -344,6 +344,14 @@ class NodeAgent(SimpleElasticAgent):
                     self._restart(f"{waiting} node(s) waiting to join", backoff=0.0)
 
     def _handle_failures(self, failures: list[RankFailure]) -> None:
+        hung = {f.rank for f in failures if f.reason == "hung"}
+        if hung:
+            # Freeze the healthy ranks first: a hung rank continued to print its stacks would
+            # otherwise finish its collectives with them, and the run would advance (and even
+            # checkpoint) past the hang during the grace. They are killed with the group anyway.
+            for rank in self._ranks:
+                if rank.global_rank not in hung:
+                    rank.signal(signal.SIGSTOP)
         for failure in failures:
             logger.warning("rank %s %s (pid %s, exit %s)", failure.rank, failure.reason, failure.pid, failure.exit_code)
             self.reporter.emit("rank_failed", failure.as_event(), when=failure.detected_at)
@@ -351,7 +359,7 @@ class NodeAgent(SimpleElasticAgent):
                 rank = next(r for r in self._ranks if r.global_rank == failure.rank)
                 rank.signal(STACK_DUMP_SIGNAL)
                 rank.signal(signal.SIGCONT)  # a stopped process runs its signal handlers only once continued
-        if any(f.reason == "hung" for f in failures):
+        if hung:
             time.sleep(self.config.stack_dump_grace)
 
     def _progressed(self) -> bool:
