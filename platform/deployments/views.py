@@ -14,7 +14,7 @@ from deployments.models import Deployment
 from deployments.serializers import ApiKeySerializer, DeploymentEventSerializer, DeploymentSerializer
 from runs.serializers import raise_invalid
 from runs.services import InvalidInput
-from runs.views import owned
+from runs.views import events_after_response, owned
 
 
 class DeploymentViewSet(
@@ -56,13 +56,7 @@ class DeploymentViewSet(
     )
     @action(detail=True, methods=["get"])
     def events(self, request: Request, pk: str) -> Response:
-        deployment = self.get_object()
-        try:
-            after = int(request.query_params.get("after", 0))
-        except ValueError:
-            return Response({"after": ["must be an integer"]}, status=400)
-        events = deployment.events.filter(seq__gt=after).order_by("seq")[:5000]
-        return Response(DeploymentEventSerializer(events, many=True).data)
+        return events_after_response(request, self.get_object().events.all(), DeploymentEventSerializer)
 
     @extend_schema(
         methods=["post"],

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 from django.db.models import QuerySet
@@ -30,6 +31,20 @@ def _method(view: APIView) -> str | None:
     return getattr(view.request, "method", None)
 
 
+# The most events one history request returns; clients page on with ?after=<last seq>.
+HISTORY_PAGE = 5000
+
+
+def events_after_response(request: Request, events: QuerySet[Any], serializer: type[serializers.Serializer]) -> Response:
+    """`?after=SEQ` history of a run's or a deployment's events, in order."""
+    try:
+        after = int(request.query_params.get("after", 0))
+    except ValueError:
+        return Response({"after": ["must be an integer"]}, status=400)
+    page = events.filter(seq__gt=after).order_by("seq")[:HISTORY_PAGE]
+    return Response(serializer(page, many=True).data)
+
+
 def owned(view: Any, queryset: QuerySet[Any], owner_field: str = "owner") -> QuerySet[Any]:
     """The caller's own objects; no objects while the schema generator inspects the view."""
     if getattr(view, "swagger_fake_view", False):
@@ -57,23 +72,22 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             runs = runs.filter(status__in=status_filter.split(","))
         return runs
 
-    @extend_schema(request=None, responses=RunSerializer)
-    @action(detail=True, methods=["post"])
-    def cancel(self, request: Request, pk: str) -> Response:
+    def _change(self, request: Request, operation: Callable[[Run], Run]) -> Response:
         try:
-            run = services.do_cancel_run(self.get_object())
+            run = operation(self.get_object())
         except services.InvalidInput as exc:
             raise_invalid(exc)
         return Response(RunSerializer(run, context={"request": request}).data)
 
     @extend_schema(request=None, responses=RunSerializer)
     @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str) -> Response:
+        return self._change(request, services.do_cancel_run)
+
+    @extend_schema(request=None, responses=RunSerializer)
+    @action(detail=True, methods=["post"])
     def resume(self, request: Request, pk: str) -> Response:
-        try:
-            run = services.do_resume_run(self.get_object())
-        except services.InvalidInput as exc:
-            raise_invalid(exc)
-        return Response(RunSerializer(run, context={"request": request}).data)
+        return self._change(request, services.do_resume_run)
 
     @extend_schema(request=RunSerializer, responses=RunSerializer)
     @action(detail=True, methods=["post"])
@@ -131,12 +145,7 @@ class RunEventsView(APIView):
     )
     def get(self, request: Request, run_id: int) -> Response:
         run = get_object_or_404(Run, pk=run_id, owner=request.user)
-        try:
-            after = int(request.query_params.get("after", 0))
-        except ValueError:
-            return Response({"after": ["must be an integer"]}, status=400)
-        events = run.events.filter(seq__gt=after).order_by("seq")[:5000]
-        return Response(RunEventSerializer(events, many=True).data)
+        return events_after_response(request, run.events.all(), RunEventSerializer)
 
     @extend_schema(
         request=IngestSerializer,
