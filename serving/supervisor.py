@@ -86,6 +86,14 @@ class DeploymentConfig:
     health_interval_s: float = 2.0
     # Consecutive failed probes of a running replica before routers are told to skip it.
     unhealthy_after: int = 3
+    # A replica can answer /health while its engine is stuck (seen on CPU: both replicas stopped
+    # generating for minutes, /health still 200). Every liveness_interval_s the supervisor asks
+    # for one token; no answer within liveness_timeout_s counts as a failed probe.
+    liveness_interval_s: float = 15.0
+    liveness_timeout_s: float = 60.0
+    # An unhealthy replica is killed (then restarted as after any death) once it has been
+    # unhealthy this long: long enough to ride out a pause, short enough to bound an outage.
+    restart_unhealthy_after_s: float = 120.0
     # Restart delay: base * 2**(failures in a row), capped. A replica that stayed ready for
     # backoff_reset_s starts over at base.
     restart_backoff_s: float = 1.0
@@ -105,7 +113,10 @@ class DeploymentConfig:
         object.__setattr__(self, "cpu_binds", tuple(self.cpu_binds))
         for bind in self.cpu_binds:
             dataclasses.replace(self.options, cpu_threads_bind=bind)  # validates the core list
-        for name in ("ready_timeout_s", "health_interval_s", "restart_backoff_s", "drain_timeout_s", "stop_grace_s"):
+        for name in (
+            "ready_timeout_s", "health_interval_s", "restart_backoff_s", "drain_timeout_s", "stop_grace_s",
+            "liveness_interval_s", "liveness_timeout_s", "restart_unhealthy_after_s",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise OptionError(name, f"must be a positive number of seconds; got {value!r}")
@@ -278,7 +289,7 @@ class Supervisor:
                 if await self._wait_healthy(replica, proc, launch):
                     self._set_phase(replica, "ready", ready_at=time.time())
                     self._emit("replica_ready", replica)
-                    await self._watch(replica, proc, launch)
+                    message = await self._watch(replica, proc, launch)
                     if replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s:
                         failures_in_a_row = 0
                 elif proc.returncode is None and not self._stopping:
@@ -349,27 +360,66 @@ class Supervisor:
                 await asyncio.wait_for(proc.wait(), 0.5)
         return False
 
-    async def _watch(self, replica: ReplicaState, proc: asyncio.subprocess.Process, launch: LaunchSpec) -> None:
-        """Probe a ready replica until its process exits (or the supervisor stops)."""
+    async def _generates(self, url: str) -> bool:
+        """True when the replica produces one token within `liveness_timeout_s`."""
+        assert self._client is not None
+        body = {"model": self.config.name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        try:
+            response = await self._client.post(
+                f"{url}/v1/completions", json=body, timeout=self.config.liveness_timeout_s
+            )
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def _watch(self, replica: ReplicaState, proc: asyncio.subprocess.Process, launch: LaunchSpec) -> str:
+        """Probe a ready replica until its process exits, the supervisor stops, or it has been
+        unhealthy for `restart_unhealthy_after_s`; in that last case kill it and say why."""
         failed = 0
-        while proc.returncode is None and not self._stopping:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), self.config.health_interval_s)
-            if proc.returncode is not None or self._stopping:
-                return
-            if await self._probe(launch.url):
-                failed = 0
-                if replica.phase == "unhealthy":
-                    self._set_phase(replica, "ready")
-                    self._emit("replica_ready", replica, message="healthy again")
-            else:
+        unhealthy_since: float | None = None
+        last_liveness = time.monotonic()
+        liveness: asyncio.Task[bool] | None = None
+        generates = True  # the last liveness answer holds until the next one
+        try:
+            while proc.returncode is None and not self._stopping:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), self.config.health_interval_s)
+                if proc.returncode is not None or self._stopping:
+                    break
+                if liveness is None and time.monotonic() - last_liveness >= self.config.liveness_interval_s:
+                    liveness = asyncio.create_task(self._generates(launch.url))
+                if liveness is not None and liveness.done():
+                    generates = liveness.result()
+                    liveness, last_liveness = None, time.monotonic()
+                healthy = await self._probe(launch.url) and generates
+                if healthy:
+                    failed, unhealthy_since = 0, None
+                    if replica.phase == "unhealthy":
+                        self._set_phase(replica, "ready")
+                        self._emit("replica_ready", replica, message="healthy again")
+                    continue
                 failed += 1
-                if failed == self.config.unhealthy_after and replica.phase == "ready":
+                if failed >= self.config.unhealthy_after and replica.phase == "ready":
+                    unhealthy_since = time.monotonic()
                     self._set_phase(replica, "unhealthy")
-                    self._emit("replica_unhealthy", replica, message=f"{failed} failed health probes")
+                    self._emit(
+                        "replica_unhealthy",
+                        replica,
+                        message=f"{failed} failed probes (/health or one-token generation)",
+                    )
+                if (
+                    unhealthy_since is not None
+                    and time.monotonic() - unhealthy_since >= self.config.restart_unhealthy_after_s
+                ):
+                    await self._terminate(proc, grace_s=0)
+                    return f"unhealthy for {self.config.restart_unhealthy_after_s:g} s; killed. "
+        finally:
+            if liveness is not None:
+                liveness.cancel()
         if self._stopping:
             # stop() owns the process from here; wait for it so _keep_running returns cleanly.
             await proc.wait()
+        return ""
 
     async def _stop_replica(self, replica: ReplicaState) -> None:
         proc = self._procs.get(replica.index)

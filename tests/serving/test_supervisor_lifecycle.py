@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import sys
 from pathlib import Path
 
 from serving.supervisor import DeploymentConfig, ReplicaEvent, Supervisor, read_events, read_state
@@ -92,3 +93,48 @@ async def test_stop_kills_a_starting_replica_with_its_children_and_records_it(tm
     state = read_state(tmp_path / "state")
     assert state is not None and state.stopping and state.replicas[0].phase == "stopped"
     assert state.supervisor_pid == os.getpid()
+
+
+# A replica whose engine is stuck: /health says 200, a completion never comes.
+STUCK_SERVER = f"""#!{sys.executable}
+import sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+
+    def do_POST(self):
+        time.sleep(600)
+
+    def log_message(self, *args):
+        pass
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+async def test_a_replica_that_answers_health_but_never_generates_is_taken_out_then_restarted(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text(STUCK_SERVER)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    cfg = config(
+        tmp_path,
+        str(python),
+        liveness_interval_s=0.1,
+        liveness_timeout_s=0.3,
+        unhealthy_after=2,
+        restart_unhealthy_after_s=0.5,
+        ready_timeout_s=30,
+    )
+    events: list[ReplicaEvent] = []
+    supervisor = Supervisor(cfg, on_event=events.append)
+    await supervisor.start()
+    await wait_for(lambda: any(e.kind == "replica_restarting" for e in events))
+    await supervisor.stop()
+    kinds = [e.kind for e in events]
+    assert kinds[:5] == ["replica_starting", "replica_ready", "replica_unhealthy", "replica_died", "replica_restarting"]
+    died = events[3]
+    assert "unhealthy for 0.5 s; killed" in died.message and died.exit_code in (-15, -9)
+    assert died.pid is not None and not process_alive(died.pid)
