@@ -18,7 +18,6 @@ import openai
 import pytest
 
 from serving.metrics import histogram_quantile, parse_prometheus, poll, rates_between, scrape
-from serving.router import Router, StaticReplicas
 from serving.supervisor import read_events, read_state, request_stop
 from serving.vllm import ReplicaOptions
 from tests.serving.conftest import RunningDeployment, process_alive, start_deployment, wait_until
@@ -32,7 +31,16 @@ STREAM_TOKENS = 300  # long enough that all 20 streams are mid-flight when a rep
 def deployment(
     tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path, vllm_python: str
 ) -> Iterator[RunningDeployment]:
-    options = ReplicaOptions(max_model_len=1024, max_num_seqs=32, kv_cache_gib=1, enforce_eager=True, dtype="float32")
+    # "nobind": on a machine shared with other test runs, a replica pinned to a core competes
+    # with whatever else is pinned there (another run's replica spinning its OpenMP threads).
+    options = ReplicaOptions(
+        max_model_len=1024,
+        max_num_seqs=32,
+        kv_cache_gib=1,
+        enforce_eager=True,
+        dtype="float32",
+        cpu_threads_bind="nobind",
+    )
     yield from start_deployment(
         tmp_path_factory.mktemp("deploy"),
         tiny_checkpoint,
@@ -40,7 +48,6 @@ def deployment(
         name="tiny",
         replicas=2,
         options=options,
-        cpu_binds=("0", "1"),
     )
 
 
@@ -165,39 +172,6 @@ async def test_the_poll_loop_reports_each_replica_with_tokens_per_second(deploym
     assert all(
         {"requests_running", "requests_waiting", "kv_cache_usage", "ttft_p50_s"} <= set(values) for _, values in samples
     )
-
-
-async def test_concurrent_requests_through_a_warm_router_run_side_by_side(deployment: RunningDeployment) -> None:
-    """Each stream's first token comes before any stream's last: requests reach the replicas
-    together, not one after another (as they did over httpcore's reused keep-alive connections)."""
-    router = Router(StaticReplicas(tuple(deployment.ready_urls())), model="tiny")
-    body = {
-        "model": "tiny",
-        "prompt": "a dog finds",
-        "max_tokens": 128,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
-    events: list[tuple[str, int]] = []
-
-    async def one(i: int) -> None:
-        response = await router.forward("/v1/completions", body)
-        first = True
-        async for _ in response.iter_bytes():
-            if first:
-                events.append(("first", i))
-                first = False
-        events.append(("end", i))
-
-    try:
-        for _ in range(2):  # the second round runs over whatever the first left in the client
-            events.clear()
-            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 240)
-            kinds = [kind for kind, _ in events]
-            assert kinds == ["first"] * 8 + ["end"] * 8, events
-    finally:
-        await router.aclose()
 
 
 async def test_killing_a_replica_under_load_fails_only_its_streams_and_it_comes_back(
