@@ -226,6 +226,9 @@ class Checkpointer:
         self._barrier()  # every rank's shards and RNG file are on disk
         if self.rank == 0:
             self._commit(step, staging, trainer_state)
+        # No rank steps past a checkpoint before it is committed: a rank that fails right after
+        # it then resumes from it, instead of from the one before.
+        self._barrier()
 
     def poll(self) -> None:
         """Commits a finished background save; call once per step. Never blocks."""

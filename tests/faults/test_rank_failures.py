@@ -45,7 +45,8 @@ def test_a_stopped_rank_is_declared_hung_within_the_timeout_and_the_run_resumes(
     assert run.process.returncode == 0, run.tail()
     failure = run.of_kind("rank_failed")[0]
     assert (failure["rank"], failure["reason"]) == (1, "hung")
-    assert failure["last_step"] in (5, 6)  # the beat is up to one interval (100 ms) behind the loop
+    # The beat samples the loop every 100 ms, and a tiny step takes ~50 ms: it may lag a step or two.
+    assert 4 <= failure["last_step"] <= 6
     # The contract of the watchdog, not a speed figure: a silent rank is declared hung once its
     # last beat is older than the timeout, and the check runs every 50 ms.
     timeout = spec.nodes.heartbeat_timeout
