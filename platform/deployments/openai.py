@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -94,17 +93,9 @@ async def _relay(response: ProxyResponse) -> HttpResponse | StreamingHttpRespons
     if response.stream is None:
         relayed = HttpResponse(response.body or b"", status=response.status, content_type=response.content_type)
     else:
-        stream = response.stream
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in stream:
-                    yield chunk
-            finally:
-                # A client that hung up ends the upstream request and frees its routing slot.
-                await stream.aclose()  # type: ignore[attr-defined]
-
-        relayed = StreamingHttpResponse(chunks(), status=response.status, content_type=response.content_type)
+        # iter_bytes closes the relay when the client hangs up: the upstream request ends and
+        # its routing slot is freed.
+        relayed = StreamingHttpResponse(response.iter_bytes(), status=response.status, content_type=response.content_type)
         relayed["Cache-Control"] = "no-cache"
         relayed["X-Accel-Buffering"] = "no"
     if response.replica:
