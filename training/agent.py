@@ -45,6 +45,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from training.checkpoint_paths import latest_committed_step
 from training.config import RunSpec, SpecError
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
 from training.rankenv import RankEnvironment
@@ -125,16 +126,6 @@ class Outcome:
     code: ExitCode
     kind: str  # the final event: succeeded, failed, cancelled
     data: dict[str, Any]
-
-
-def latest_committed_step(run_dir: Path) -> int:
-    """The step of the newest committed checkpoint, 0 when there is none."""
-    steps = [
-        int(p.name.removeprefix("step_"))
-        for p in (run_dir / "checkpoints").glob("step_*")
-        if (p / "COMMITTED").exists() and p.name.removeprefix("step_").isdigit()
-    ]
-    return max(steps, default=0)
 
 
 def effective_spec(spec: RunSpec, *, world_size: int, nodes: int, nproc: int) -> RunSpec:

@@ -47,47 +47,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from training.checkpoint_paths import (
+    _PREFIX,
+    COMMITTED,
+    checkpoint_path,
+    checkpoints_root,
+    committed_checkpoints,
+)
 from training.config import RunSpec
 from training.data import copy_tokenizer
 from training.hooks import TrainHook
 
-COMMITTED = "COMMITTED"
 METADATA = "fathom.json"
-_PREFIX = "step_"
 _STAGING_SUFFIX = ".tmp"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-# --- Finding checkpoints (plain file-system logic) -------------------------------------------
-
-
-def checkpoints_root(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return checkpoints_root(run_dir) / f"{_PREFIX}{step:08d}"
-
-
-def _step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(_PREFIX) or not name[len(_PREFIX) :].isdigit():
-        return None
-    return int(name[len(_PREFIX) :])
-
-
-def committed_checkpoints(run_dir: Path) -> list[Path]:
-    """Committed checkpoints, oldest first."""
-    root = checkpoints_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = [(step, p) for p in root.iterdir() if (step := _step_of(p)) is not None and (p / COMMITTED).is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    committed = committed_checkpoints(run_dir)
-    return committed[-1] if committed else None
 
 
 def remove_uncommitted(run_dir: Path) -> list[Path]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from training.checkpoint import COMMITTED, latest_checkpoint
+from training.checkpoint_paths import COMMITTED, latest_checkpoint
 from training.config import ModelConfig, RunSpec
 from training.data import END_OF_TEXT, IM_END, copy_tokenizer, special_token_ids
 from training.model import Transformer

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from training.checkpoint import Checkpointer, latest_checkpoint, remove_uncommitted
+from training.checkpoint import Checkpointer, remove_uncommitted
+from training.checkpoint_paths import latest_checkpoint
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.device import CPU, ComputeDevice, device_peak_memory_mb, peak_flops

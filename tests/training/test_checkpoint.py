@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 
 from training.check_parity import launch, parity_spec, step_values
-from training.checkpoint import (
-    COMMITTED,
-    checkpoint_path,
-    committed_checkpoints,
-    latest_checkpoint,
-    read_metadata,
-    remove_uncommitted,
-)
+from training.checkpoint import read_metadata, remove_uncommitted
+from training.checkpoint_paths import COMMITTED, checkpoint_path, committed_checkpoints, latest_checkpoint
 from training.config import DataConfig, RunSpec
 from training.metrics import METRIC_KEYS
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from training.check_parity import launch, parity_spec
-from training.checkpoint import latest_checkpoint
+from training.checkpoint_paths import latest_checkpoint
 from training.config import DataConfig, RunSpec
 from training.export import export, load_model
 
