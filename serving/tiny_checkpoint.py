@@ -1,6 +1,7 @@
 """A tiny Hugging Face Llama checkpoint for tests and benchmarks of the serving path.
 
-It stands in for `training/export.py`'s output until real exports exist: a `LlamaConfig` model
+It lets the serving tests run without training a model first (the control plane's end-to-end
+test serves a real `training.export` output): a `LlamaConfig` model
 saved with `save_pretrained(safe_serialization=True)`, a byte-level BPE tokenizer trained with
 `tokenizers` on generated text, and a chat template in `tokenizer_config.json`. The model is
 trained for a few hundred steps on the same text so that its next-token distributions are
