@@ -14,4 +14,4 @@ RUN useradd --create-home fathom && mkdir -p /data && chown fathom /data
 USER fathom
 EXPOSE 8000
 WORKDIR /app/platform
-CMD ["python", "-m", "daphne", "-b", "0.0.0.0", "-p", "8000", "controlplane.asgi:application"]
+CMD ["python", "-m", "controlplane.web", "8000"]

@@ -1,7 +1,7 @@
 """Point-to-websocket latency of live metrics at 1,000 points/s, through the real ingest path.
 
 For each backend (the embedded default: SQLite + in-memory channel layer; and PostgreSQL +
-Redis), a real daphne process serves the control plane. One websocket client follows a run,
+Redis), a real web process (uvicorn, as `make run` starts it) serves the control plane. One websocket client follows a run,
 while a sender posts metrics to `POST /api/runs/<id>/events/` as a node agent's reporter does:
 batches of BATCH points every BATCH ms, i.e. 1,000 points/s. Each point carries its send time;
 latency is websocket receipt minus send time (same clock, same machine).
@@ -96,9 +96,12 @@ def run_backend(name: str, extra_env: dict[str, str]) -> tuple[float, float, flo
     run_id, token = subprocess.run(
         [*manage, "shell", "-c", SETUP], env=env, check=True, capture_output=True, text=True
     ).stdout.split()[-2:]
+    sys.path.insert(0, str(REPO / "platform"))
+    from controlplane.web import web_command
+
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
+        web_command(port),
         cwd=REPO / "platform", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"

@@ -1,15 +1,21 @@
 """What Fathom's router costs, and what vLLM buys over plain `transformers.generate`.
 
-    python -m bench.serving [--concurrency 32] [--tokens 64] [--rounds 3]
+    python -m bench.serving [--concurrency 32] [--tokens 64] [--rounds 5]
 
-One deployment (one vLLM replica of a small Llama, CPU, float32) behind the standalone router
-app (`serving.app`, the same `Gateway` the Django view calls). The same load, `concurrency`
-streamed completions of `tokens` tokens each, is sent alternately straight to the replica and
-through the router, `rounds` times each; from the medians it prints output tokens/s and TTFT p50
-for both, their ratios, and the router process's CPU time per 1000 tokens (the figure that
-does not depend on what else a shared machine runs). Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of
-`concurrency` left-padded prompts, greedy) on the same checkpoint gives the vLLM ÷ transformers
-throughput ratio.
+One deployment (one vLLM replica of a small Llama, CPU, float32), reached three ways in turn,
+each round: straight at the replica, through the standalone router (`serving.app`, uvicorn), and
+through the control plane's `/v1` (its web process, as `make run` starts it, with an API key).
+The load is what vLLM's own serving benchmark calls max concurrency: `concurrency` clients, each
+streaming one completion of `tokens` tokens after another until `4 × concurrency` are done. It
+prints output tokens/s and TTFT p50 for each way, and the routed ÷ direct ratios (median of the
+per-round ratios). Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of `concurrency`
+left-padded prompts, greedy) on the same checkpoint gives the vLLM ÷ transformers ratio.
+
+Placement: the replica gets the upper half of the cores, the client and the routers the lower
+half, as in a real deployment where the control plane does not run on the accelerator host. On a
+shared 2-core machine an unpinned router takes its CPU from the replica, and the ratio then
+measures the machine, not the router; the router's own CPU per 1000 relayed tokens is printed
+beside it for that reason.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -98,16 +106,26 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) ->
     return ttft, produced
 
 
-async def _load(url: str, concurrency: int, tokens: int) -> tuple[float, float]:
-    """`concurrency` streams at once; return (output tokens/s, TTFT p50 in s). No keep-alive:
+async def _load(url: str, concurrency: int, tokens: int, requests: int, key: str = "") -> tuple[float, float]:
+    """`concurrency` clients, each sending its next streamed completion as soon as the last one
+    ends, until `requests` are done; return (output tokens/s, TTFT p50 in s). No keep-alive:
     httpcore 1.0.9 would run concurrent requests over one reused connection one at a time."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with httpx.AsyncClient(
-        timeout=600, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0), trust_env=False
+        timeout=600,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+        headers=headers,
+        trust_env=False,
     ) as client:
+        pending = iter(range(requests))
+        results: list[tuple[float, int]] = []
+
+        async def one_client() -> None:
+            for i in pending:
+                results.append(await _one(client, url, PROMPTS[i % len(PROMPTS)], tokens))
+
         start = time.perf_counter()
-        results = await asyncio.gather(
-            *(_one(client, url, PROMPTS[i % len(PROMPTS)], tokens) for i in range(concurrency))
-        )
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
     return sum(n for _, n in results) / elapsed, statistics.median(t for t, _ in results)
 
@@ -128,34 +146,131 @@ def _transformers_tokens_per_s(checkpoint: Path, concurrency: int, tokens: int) 
     return (out.shape[1] - batch.input_ids.shape[1]) * concurrency / elapsed
 
 
+@dataclass
+class Way:
+    """One way to reach the deployment, and what each round measured through it."""
+
+    name: str
+    url: str
+    key: str = ""
+    router_pid: int | None = None
+    up_path: str = "/health"  # answers 200 once the server serves
+    rounds: list[tuple[float, float]] = field(default_factory=list)  # (tokens/s, TTFT p50 s)
+    router_cpu_s: float = 0.0
+
+    def tok_s(self) -> float:
+        return statistics.median(t for t, _ in self.rounds)
+
+    def ttft_ms(self) -> float:
+        return 1000 * statistics.median(f for _, f in self.rounds)
+
+    def over(self, direct: Way) -> tuple[float, float]:
+        """Median of the per-round ratios to `direct` (tokens/s, TTFT): steadier than a ratio of
+        medians when the machine's other load drifts."""
+        pairs = list(zip(self.rounds, direct.rounds, strict=True))
+        return statistics.median(r[0] / d[0] for r, d in pairs), statistics.median(r[1] / d[1] for r, d in pairs)
+
+
+def _control_plane(data_dir: Path, checkpoint: Path) -> tuple[Path, str]:
+    """A control-plane database (SQLite under `data_dir`) holding one ready deployment of
+    `checkpoint`; returns the folder its supervisor keeps state in and an API key for it."""
+    os.environ["FATHOM_DATA_DIR"] = str(data_dir)
+    for name in ("DATABASE_URL", "REDIS_URL"):  # the embedded default, whatever the shell says
+        os.environ.pop(name, None)
+    os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+    sys.path.insert(0, str(ROOT / "platform"))
+    import django
+
+    django.setup()
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    from deployments.models import ApiKey, Deployment
+    from runs.models import Checkpoint, Run
+
+    call_command("migrate", verbosity=0)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Django's logging config let it log each request
+    user = get_user_model().objects.create_user("bench")
+    run = Run.objects.create(owner=user, name="bench", spec={}, status=Run.Status.SUCCEEDED)
+    exported = Checkpoint.objects.create(
+        run=run, step=SPEC.train_steps, path=str(checkpoint), export_path=str(checkpoint)
+    )
+    deployment = Deployment.objects.create(
+        owner=user,
+        name="bench",
+        checkpoint=exported,
+        served_model_name="bench",
+        options={"max_model_len": 1024},
+        status=Deployment.Status.READY,  # no beat runs here to move it there from the supervisor's state
+    )
+    _, key = ApiKey.issue(deployment)
+    return deployment.folder, key
+
+
+def _placement() -> tuple[set[int], set[int]]:
+    """(cores for the client and routers, cores for the replica): halves of this process's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return set(cores), set(cores)
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+def _start(command: list[str], *, cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--keep", action="store_true", help="keep the deployment's logs and state")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
+    requests = 4 * args.concurrency
 
     cache = Path(os.environ.get("FATHOM_TEST_CACHE", Path.home() / ".cache" / "fathom" / "test-checkpoints"))
     checkpoint = build_tiny_llama(cache / "bench-llama", SPEC)
     tmp = Path(tempfile.mkdtemp(prefix="fathom-bench-serving-"))
+    state_dir, key = _control_plane(tmp / "control", checkpoint)
+    router_cores, replica_cores = _placement()
     config = DeploymentConfig(
         name="bench",
         checkpoint=str(checkpoint),
-        state_dir=str(tmp / "deployment"),
+        state_dir=str(state_dir),
         python=_vllm_python(),
         replicas=1,
         options=ReplicaOptions(
-            max_model_len=1024, max_num_seqs=args.concurrency, kv_cache_gib=1, dtype="float32", enforce_eager=True
+            max_model_len=1024,
+            max_num_seqs=args.concurrency,
+            kv_cache_gib=1,
+            dtype="float32",
+            enforce_eager=True,
+            cpu_threads_bind=",".join(map(str, sorted(replica_cores))),
         ),
     )
-    supervisor = launch_detached(config)
-    port = free_port()
-    router = subprocess.Popen(
-        [sys.executable, "-m", "serving.app", "--state-dir", config.state_dir, "--port", str(port)],
-        cwd=ROOT, stdout=(tmp / "router.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    os.sched_setaffinity(0, replica_cores)
+    supervisor = launch_detached(config)  # it and its replicas inherit the replica cores
+    os.sched_setaffinity(0, router_cores)
+    app_port, web_port = free_port(), free_port()
+    from controlplane.web import web_command  # platform/ is on the path since _control_plane
+
+    routers = [
+        _start(
+            [sys.executable, "-m", "serving.app", "--state-dir", str(state_dir), "--port", str(app_port)],
+            cwd=ROOT,
+            log=tmp / "router.log",
+        ),
+        _start(
+            web_command(web_port),
+            cwd=ROOT / "platform",
+            log=tmp / "web.log",
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "platform")])},
+        ),
+    ]
     try:
 
         def ready() -> bool:
@@ -165,58 +280,67 @@ def main() -> None:
         _wait(ready, 600, "replica")
         state = read_state(config.state_dir)
         assert state is not None and state.replicas[0].url
-        direct_url, router_url = state.replicas[0].url, f"http://127.0.0.1:{port}"
-        _wait(lambda: _up(router_url), 60, "router")
-
-        asyncio.run(_load(direct_url, args.concurrency, 8))  # warm-up: vLLM's first batches are slow
-        direct, routed = [], []
-        router_cpu_s = 0.0
-        for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both sides
-            direct.append(asyncio.run(_load(direct_url, args.concurrency, args.tokens)))
-            cpu_before = _cpu_seconds(router.pid)
-            routed.append(asyncio.run(_load(router_url, args.concurrency, args.tokens)))
-            router_cpu_s += _cpu_seconds(router.pid) - cpu_before
+        ways = [
+            Way("direct", state.replicas[0].url),
+            Way("router", f"http://127.0.0.1:{app_port}", router_pid=routers[0].pid),
+            Way("control plane /v1", f"http://127.0.0.1:{web_port}", key, routers[1].pid, up_path="/login/"),
+        ]
+        for way in ways[1:]:
+            _wait(lambda url=way.url + way.up_path: _up(url), 60, way.name)
+        for way in ways:  # warm-up: vLLM's first batches are slow, and each server's first request
+            asyncio.run(_load(way.url, args.concurrency, 8, args.concurrency, way.key))
+        for _ in range(args.rounds):  # in turn, so drift on a shared machine hits every way alike
+            for way in ways:
+                cpu_before = _cpu_seconds(way.router_pid) if way.router_pid else 0.0
+                way.rounds.append(asyncio.run(_load(way.url, args.concurrency, args.tokens, requests, way.key)))
+                if way.router_pid:
+                    way.router_cpu_s += _cpu_seconds(way.router_pid) - cpu_before
     finally:
         request_stop(config.state_dir)
-        os.killpg(router.pid, signal.SIGTERM)
-        router.wait(timeout=30)
+        for router in routers:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(timeout=30)
         _wait(lambda: not Path(f"/proc/{supervisor}").exists() or _zombie(supervisor), 120, "supervisor exit")
         if args.keep:
             print(f"logs and state kept in {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    # Ratios per round (each routed round runs right after its direct round), then the median:
-    # steadier than a ratio of medians when the machine's other load drifts.
-    tps_ratio = statistics.median(r[0] / d[0] for d, r in zip(direct, routed, strict=True))
-    ttft_ratio = statistics.median(r[1] / d[1] for d, r in zip(direct, routed, strict=True))
-    direct_tps = statistics.median(t for t, _ in direct)
-    routed_tps = statistics.median(t for t, _ in routed)
-    direct_ttft = statistics.median(f for _, f in direct)
-    routed_ttft = statistics.median(f for _, f in routed)
+    os.sched_setaffinity(0, router_cores | replica_cores)
     hf_tps = _transformers_tokens_per_s(checkpoint, args.concurrency, args.tokens)
+    direct, router, web = ways
+    relayed_k = args.rounds * requests * args.tokens / 1000
 
-    print(f"load: {args.concurrency} concurrent streams x {args.tokens} tokens, {args.rounds} rounds each, medians")
-    print(f"direct to replica: {direct_tps:,.0f} tok/s, TTFT p50 {direct_ttft * 1000:.0f} ms")
-    print(f"through router:    {routed_tps:,.0f} tok/s, TTFT p50 {routed_ttft * 1000:.0f} ms")
-    print(f"router / direct, median of per-round ratios: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f}")
-    print(f"load average at the end (shared machine): {os.getloadavg()[0]:.1f}")
-    # CPU the router process spent per 1000 relayed tokens: unlike tokens/s, it does not move
-    # with what else the machine runs.
-    router_cpu_ms = router_cpu_s * 1000 / (args.rounds * args.concurrency * args.tokens / 1000)
-    print(f"router process CPU: {router_cpu_ms:.0f} ms per 1000 relayed tokens")
-    print(f"transformers.generate (batch {args.concurrency}, OMP_NUM_THREADS=1): {hf_tps:,.0f} tok/s")
     print(
-        f"router_tok_s={routed_tps:.0f} direct_tok_s={direct_tps:.0f} router_over_direct_tok_s={tps_ratio:.3f} "
-        f"router_ttft_p50_ms={routed_ttft * 1000:.0f} direct_ttft_p50_ms={direct_ttft * 1000:.0f} "
-        f"router_over_direct_ttft={ttft_ratio:.3f} router_cpu_ms_per_1k_tok={router_cpu_ms:.0f} transformers_tok_s={hf_tps:.0f} "
-        f"vllm_over_transformers={direct_tps / hf_tps:.2f} loadavg={os.getloadavg()[0]:.1f}"
+        f"load: {args.concurrency} concurrent clients, {requests} streamed completions of {args.tokens} tokens "
+        f"per round, {args.rounds} rounds, medians; replica on cores {sorted(replica_cores)}, "
+        f"client and routers on {sorted(router_cores)}"
+    )
+    for way in ways:
+        line = f"{way.name:>18}: {way.tok_s():,.0f} tok/s, TTFT p50 {way.ttft_ms():.1f} ms"
+        if way.router_pid:
+            tps_ratio, ttft_ratio = way.over(direct)
+            line += (
+                f"; ÷ direct: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f}; "
+                f"its CPU {way.router_cpu_s * 1000 / relayed_k:.0f} ms per 1000 relayed tokens"
+            )
+        print(line)
+    print(f"transformers.generate (batch {args.concurrency}, OMP_NUM_THREADS=1): {hf_tps:,.0f} tok/s")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    print(
+        f"router_over_direct_tok_s={router.over(direct)[0]:.3f} "
+        f"router_ttft_p50_ms={router.ttft_ms():.1f} direct_ttft_p50_ms={direct.ttft_ms():.1f} "
+        f"controlplane_over_direct_tok_s={web.over(direct)[0]:.3f} controlplane_ttft_p50_ms={web.ttft_ms():.1f} "
+        f"router_cpu_ms_per_1k_tok={router.router_cpu_s * 1000 / relayed_k:.0f} "
+        f"controlplane_cpu_ms_per_1k_tok={web.router_cpu_s * 1000 / relayed_k:.0f} "
+        f"direct_tok_s={direct.tok_s():.0f} transformers_tok_s={hf_tps:.0f} "
+        f"vllm_over_transformers={direct.tok_s() / hf_tps:.2f}"
     )
 
 
 def _up(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 

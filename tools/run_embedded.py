@@ -1,7 +1,7 @@
 """`make run`: Fathom on one machine with no external service.
 
 Migrates the SQLite database, creates (once) and prints the admin login, then runs the web
-process (daphne: HTTP + websockets), a Celery worker and Celery beat until Ctrl-C. Unless
+process (uvicorn: HTTP + websockets), a Celery worker and Celery beat until Ctrl-C. Unless
 FATHOM_DEMO=0, it also launches the demo training run and, when that succeeds, deploys its
 final checkpoint to a vLLM replica and prints how to chat with it.
 """
@@ -19,6 +19,10 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "platform"))
+
+from controlplane.web import web_command  # noqa: E402
+
 PORT = int(os.environ.get("FATHOM_PORT", "8000"))
 URL = f"http://127.0.0.1:{PORT}"
 
@@ -55,8 +59,12 @@ def main() -> None:
     login = manage("ensure_login")
     print("Starting Fathom on the embedded default (SQLite, filesystem broker, in-memory channels):")
     processes = [
-        start("web", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(PORT), "controlplane.asgi:application"], env),
-        start("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--loglevel=INFO", "--concurrency=2"], env),
+        start("web", web_command(PORT, access_log=True), env),
+        start(
+            "worker",
+            [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--loglevel=INFO", "--concurrency=2"],
+            env,
+        ),
         start("beat", [sys.executable, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO"], env),
     ]
     wait_for_web(processes[0])

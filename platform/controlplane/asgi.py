@@ -1,8 +1,11 @@
-"""ASGI entry: HTTP through Django, websockets through Channels (`daphne controlplane.asgi:application`)."""
+"""ASGI entry (`uvicorn controlplane.asgi:application`): websockets through Channels, the OpenAI
+endpoint under /v1/ as a bare ASGI app (deployments/openai.py says why), other HTTP through Django."""
 
 import os
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 # The repo root holds training/ and serving/; platform/ holds the Django project and apps.
 for _folder in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1]):
@@ -20,10 +23,23 @@ from channels.security.websocket import AllowedHostsOriginValidator
 
 from accounts.websocket import TokenOrSessionAuthMiddleware
 from controlplane.routing import websocket_urlpatterns
+from deployments.openai import openai_endpoint
+
+
+async def http_application(
+    scope: dict[str, Any],
+    receive: Callable[[], Awaitable[dict[str, Any]]],
+    send: Callable[[Mapping[str, Any]], Awaitable[None]],
+) -> None:  # typed as Django's ASGIHandler wants; the OpenAI endpoint accepts the same
+    if scope["path"].startswith("/v1/"):
+        await openai_endpoint(scope, receive, send)
+    else:
+        await django_asgi_app(scope, receive, send)
+
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": http_application,
         "websocket": AllowedHostsOriginValidator(TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))),
     }
 )

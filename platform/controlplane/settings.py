@@ -61,7 +61,6 @@ X_FRAME_OPTIONS = "DENY"
 # --- Applications ----------------------------------------------------------------------------
 
 INSTALLED_APPS = [
-    "daphne",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",

@@ -9,6 +9,5 @@ urlpatterns = [
     path("api/", include("accounts.urls")),
     path("api/", include("runs.urls")),
     path("api/", include("deployments.urls")),
-    path("v1/", include("deployments.openai_urls")),
     path("", include("dashboard.urls")),
 ]

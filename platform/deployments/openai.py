@@ -1,8 +1,12 @@
 """Fathom's OpenAI-compatible endpoint: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
 
-Async views, so a stream holds no thread: the key is checked here, everything else (parsing,
-validation, least-outstanding routing, failover, error bodies) is `serving`'s Gateway. The
-dashboard's playground uses the same path with the owner's session instead of a key.
+This is the data plane, so it is a bare ASGI app mounted beside Django (controlplane/asgi.py),
+not a Django view: Django's middleware stack holds a sync-only middleware (WhiteNoise), which
+sends every request through one shared thread, and each stream would pay Django's per-chunk
+response machinery. Here a request costs a key check (a dictionary lookup once the key was
+seen; the database at most every KEY_CACHE_S) and then `serving`'s Gateway: parsing,
+validation, least-outstanding routing, failover and error bodies. The dashboard's playground is
+a Django view (it needs the session and CSRF) and routes through the same gateways.
 """
 
 from __future__ import annotations
@@ -10,74 +14,124 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from channels.db import database_sync_to_async
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.utils import timezone
-from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_POST
 
 from deployments.models import ApiKey, Deployment
+from serving.app import Receive, Scope, Send, read_body, send_json, send_response
 from serving.errors import OpenAIError
 from serving.gateway import Gateway
-from serving.requests import PromptCounter, ServedModel
-from serving.router import ProxyResponse, Router, StateFileReplicas
+from serving.requests import ENDPOINTS, PromptCounter, ServedModel
+from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
 
 # last_used_at is a hint for humans; writing it on every request would add a DB write per call.
 KEY_TOUCH_INTERVAL = timedelta(minutes=1)
+# How long a checked key is trusted without asking the database again: revoking a key or
+# stopping a deployment reaches every web process within this.
+KEY_CACHE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Served:
+    """A deployment as the endpoint needs it: read with the key, then cached with it."""
+
+    pk: int
+    model: str  # the served model name
+    status: str
+    export_path: str
+    max_model_len: int
+    folder: Path
+
+    @classmethod
+    def of(cls, deployment: Deployment) -> Served:
+        return cls(
+            pk=deployment.pk,
+            model=deployment.served_model_name,
+            status=deployment.status,
+            export_path=deployment.checkpoint.export_path,
+            max_model_len=int(deployment.options.get("max_model_len", 1024)),
+            folder=deployment.folder,
+        )
 
 
 class Gateways:
-    """One Gateway per deployment and event loop: routers hold an httpx client bound to a loop,
+    """One Gateway per deployment and event loop: routers hold an HTTP session bound to a loop,
     and their outstanding-request counts must be shared by every request the process serves."""
 
     def __init__(self) -> None:
         self._gateways: dict[tuple[int, int], Gateway] = {}
 
-    def for_deployment(self, deployment: Deployment) -> Gateway:
-        key = (deployment.pk, id(asyncio.get_running_loop()))
+    def for_deployment(self, served: Served) -> Gateway:
+        key = (served.pk, id(asyncio.get_running_loop()))
         gateway = self._gateways.get(key)
         if gateway is None:
-            export = deployment.checkpoint.export_path
             model = ServedModel(
-                name=deployment.served_model_name,
-                max_model_len=int(deployment.options.get("max_model_len", 1024)),
-                counter=PromptCounter(export) if export else None,
+                name=served.model,
+                max_model_len=served.max_model_len,
+                counter=PromptCounter(served.export_path) if served.export_path else None,
             )
             gateway = self._gateways[key] = Gateway()
-            gateway.add(model, Router(StateFileReplicas(deployment.folder), model=model.name))
+            gateway.add(model, Router(StateFileReplicas(served.folder), model=model.name))
         return gateway
 
 
 GATEWAYS = Gateways()
 
 
-def _error(error: OpenAIError) -> HttpResponse:
-    return HttpResponse(error.body_bytes(), status=error.status, content_type="application/json")
+class KeyCache:
+    """Checked keys by their SHA-256, each trusted for KEY_CACHE_S. Unknown keys are not kept
+    (anyone can send those), so they always go to the database."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[float, Served]] = {}
+
+    async def served_for(self, authorization: str) -> Served | None:
+        raw = authorization.removeprefix("Bearer ").strip() if authorization.startswith("Bearer ") else ""
+        if not raw.startswith(ApiKey.PREFIX):
+            return None
+        digest = ApiKey.hash(raw)
+        entry = self._entries.get(digest)
+        if entry is not None and entry[0] > time.monotonic():
+            return entry[1]
+        served = await _served_for_key(raw, digest)
+        if served is None:
+            self._entries.pop(digest, None)
+        else:
+            self._entries[digest] = (time.monotonic() + KEY_CACHE_S, served)
+        return served
 
 
-def _unauthorized(message: str) -> HttpResponse:
-    return _error(OpenAIError(401, message, "invalid_request_error", None, "invalid_api_key"))
+KEYS = KeyCache()
 
 
-@sync_to_async
-def _key_for(header: str) -> ApiKey | None:
-    raw = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-    if not raw.startswith(ApiKey.PREFIX):
-        return None
-    key = ApiKey.objects.select_related("deployment__checkpoint").filter(lookup=raw[: len(ApiKey.PREFIX) + 8], revoked=False).first()
-    if key is None or not hmac.compare_digest(ApiKey.hash(raw), key.key_hash):
+# database_sync_to_async (Channels') closes stale connections around the call, as Django does
+# around a request: this app runs outside Django's request cycle.
+@database_sync_to_async
+def _served_for_key(raw: str, digest: str) -> Served | None:
+    key = (
+        ApiKey.objects.select_related("deployment__checkpoint")
+        .filter(lookup=raw[: len(ApiKey.PREFIX) + 8], revoked=False)
+        .first()
+    )
+    if key is None or not hmac.compare_digest(digest, key.key_hash):
         return None
     if key.last_used_at is None or timezone.now() - key.last_used_at > KEY_TOUCH_INTERVAL:
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=timezone.now())
-    return key
+    return Served.of(key.deployment)
 
 
-@sync_to_async
-def _active_deployment_named(name: str) -> Deployment | None:
-    return Deployment.objects.filter(served_model_name=name, status__in=Deployment.ACTIVE).first()
+@database_sync_to_async
+def _active_deployment_named(name: str) -> bool:
+    return Deployment.objects.filter(served_model_name=name, status__in=Deployment.ACTIVE).exists()
 
 
 def _requested_model(raw: bytes) -> str | None:
@@ -88,6 +142,64 @@ def _requested_model(raw: bytes) -> str | None:
     return body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
 
 
+def _unauthorized() -> ProxyResponse:
+    return error_response(
+        OpenAIError(
+            401,
+            "A valid API key is required: send 'Authorization: Bearer <key>' (keys start with fth-).",
+            "invalid_request_error",
+            None,
+            "invalid_api_key",
+        )
+    )
+
+
+async def _answer(scope: Scope, receive: Receive) -> ProxyResponse | dict[str, Any]:
+    """The response to one request: a gateway's ProxyResponse, or a JSON document."""
+    path, method = scope["path"], scope["method"]
+    if path != "/v1/models" and path not in ENDPOINTS:
+        return error_response(
+            OpenAIError(404, f"Unknown endpoint {path}; Fathom serves /v1/models and {', '.join(ENDPOINTS)}.",
+                        "invalid_request_error", None, "unknown_url")
+        )  # fmt: skip
+    allowed = "GET" if path == "/v1/models" else "POST"
+    if method != allowed:
+        return error_response(
+            OpenAIError(
+                405, f"{path} takes {allowed}, not {method}.", "invalid_request_error", None, "method_not_allowed"
+            )
+        )
+    body = await read_body(receive) if method == "POST" else b""
+    authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+    served = await KEYS.served_for(authorization)
+    if served is None:
+        return _unauthorized()
+    gateway = GATEWAYS.for_deployment(served)
+    if path == "/v1/models":
+        return gateway.models()
+    asked = _requested_model(body)
+    if asked is not None and asked != served.model and await _active_deployment_named(asked):
+        return error_response(
+            OpenAIError(403, f"This API key is for the model {served.model!r}, not {asked!r}.",
+                        "invalid_request_error", "model", "model_not_allowed")
+        )  # fmt: skip
+    if served.status not in Deployment.ACTIVE:
+        return error_response(OpenAIError(503, f"The deployment {served.model!r} is {served.status}.", "server_error"))
+    return await gateway.handle(path, body)
+
+
+async def openai_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI app for every HTTP request under /v1/."""
+    answer = await _answer(scope, receive)
+    if isinstance(answer, ProxyResponse):
+        await send_response(send, answer, receive)
+    else:
+        await send_json(send, 200, answer)
+
+
+# --- The dashboard's playground (a Django view) --------------------------------------------
+
+
 async def _relay(response: ProxyResponse) -> HttpResponse | StreamingHttpResponse:
     relayed: HttpResponse | StreamingHttpResponse
     if response.stream is None:
@@ -95,7 +207,9 @@ async def _relay(response: ProxyResponse) -> HttpResponse | StreamingHttpRespons
     else:
         # iter_bytes closes the relay when the client hangs up: the upstream request ends and
         # its routing slot is freed.
-        relayed = StreamingHttpResponse(response.iter_bytes(), status=response.status, content_type=response.content_type)
+        relayed = StreamingHttpResponse(
+            response.iter_bytes(), status=response.status, content_type=response.content_type
+        )
         relayed["Cache-Control"] = "no-cache"
         relayed["X-Accel-Buffering"] = "no"
     if response.replica:
@@ -103,49 +217,17 @@ async def _relay(response: ProxyResponse) -> HttpResponse | StreamingHttpRespons
     return relayed
 
 
-async def _proxy(request: HttpRequest, path: str) -> HttpResponse | StreamingHttpResponse:
-    key = await _key_for(request.headers.get("Authorization", ""))
-    if key is None:
-        return _unauthorized("A valid API key is required: send 'Authorization: Bearer <key>' (keys start with fth-).")
-    deployment = key.deployment
-    asked = _requested_model(request.body)
-    if asked is not None and asked != deployment.served_model_name and await _active_deployment_named(asked):
-        return _error(
-            OpenAIError(403, f"This API key is for the model {deployment.served_model_name!r}, not {asked!r}.",
-                        "invalid_request_error", "model", "model_not_allowed")
-        )
-    if deployment.status not in Deployment.ACTIVE:
-        return _error(OpenAIError(503, f"The deployment {deployment.served_model_name!r} is {deployment.status}.", "server_error"))
-    return await _relay(await GATEWAYS.for_deployment(deployment).handle(path, request.body))
-
-
-@csrf_exempt
-@require_POST
-async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
-    return await _proxy(request, "/v1/chat/completions")
-
-
-@csrf_exempt
-@require_POST
-async def completions(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
-    return await _proxy(request, "/v1/completions")
-
-
-@require_GET
-async def models(request: HttpRequest) -> HttpResponse:
-    key = await _key_for(request.headers.get("Authorization", ""))
-    if key is None:
-        return _unauthorized("A valid API key is required: send 'Authorization: Bearer <key>'.")
-    return JsonResponse(GATEWAYS.for_deployment(key.deployment).models())
-
-
 @require_POST
 async def playground_chat(request: HttpRequest, deployment_id: int) -> HttpResponse | StreamingHttpResponse:
-    """The dashboard's chat: the owner's session instead of a key (CSRF-checked), same path."""
+    """The dashboard's chat: the owner's session instead of a key (CSRF-checked), same gateways."""
     user = await request.auser()
     deployment = await _owned_deployment(user, deployment_id)
     if deployment is None:
-        return _error(OpenAIError(404, "No such deployment.", "invalid_request_error", None, "not_found"))
+        return HttpResponse(
+            OpenAIError(404, "No such deployment.", "invalid_request_error", None, "not_found").body_bytes(),
+            status=404,
+            content_type="application/json",
+        )
     try:
         body: Any = json.loads(request.body or b"null")
     except ValueError:
@@ -153,7 +235,7 @@ async def playground_chat(request: HttpRequest, deployment_id: int) -> HttpRespo
     if isinstance(body, dict):
         body["model"] = deployment.served_model_name
     raw = json.dumps(body).encode() if isinstance(body, dict) else request.body
-    return await _relay(await GATEWAYS.for_deployment(deployment).handle("/v1/chat/completions", raw))
+    return await _relay(await GATEWAYS.for_deployment(Served.of(deployment)).handle("/v1/chat/completions", raw))
 
 
 @sync_to_async

@@ -1,6 +1,6 @@
 """Browser tests: Debian's Chromium driven by Playwright against a real Fathom.
 
-The server side is the control-plane tests' own: `live_web` (daphne on a free port) and
+The server side is the control-plane tests' own: `live_web` (uvicorn on a free port) and
 `celery_worker` (a real worker), with the same cast. Every page opened through `browser_page`
 fails its test on a browser console error, unless the test said beforehand that the error is
 what it provokes (an API answering 400 to a bad form value logs "Failed to load resource").

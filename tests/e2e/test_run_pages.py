@@ -1,5 +1,5 @@
 """A user launches and follows a training run in the browser, against real processes throughout:
-daphne, a Celery worker, node agents and gloo ranks. Nothing is faked."""
+the web process (uvicorn), a Celery worker, node agents and gloo ranks. Nothing is faked."""
 
 from __future__ import annotations
 

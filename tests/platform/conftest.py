@@ -1,7 +1,7 @@
 """Shared cast and real processes for control-plane tests.
 
 The cast (alice, bob) follows healthchecks' BaseTestCase. `live_web` and `celery_worker` start
-real daphne and Celery processes against the test database, so tests that use them must be
+real web (uvicorn) and Celery processes against the test database, so tests that use them must be
 `transaction=True` (their data has to be committed for other processes to see it).
 """
 
@@ -21,6 +21,8 @@ from django.conf import settings
 from django.db import connection
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
+
+from controlplane.web import web_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,7 +107,7 @@ class WebServer:
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "controlplane.asgi:application"],
+                web_command(self.port),
                 cwd=REPO / "platform",
                 env=process_env(FATHOM_PUBLIC_URL=self.url),
                 stdout=out,

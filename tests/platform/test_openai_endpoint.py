@@ -1,20 +1,28 @@
 """The OpenAI-compatible endpoint's gatekeeping: keys, models and request checks, in OpenAI's shape.
 
-These run without replicas: every answer here is decided before a request would be routed.
-Serving real vLLM replicas through this endpoint is tested in test_serving_e2e.py.
+These run without replicas: every answer here is decided before a request would be routed. The
+requests go through the web process's whole ASGI application (controlplane.asgi), as a client's
+would. Serving real vLLM replicas through this endpoint is tested in test_serving_e2e.py.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import pytest
+from asgiref.sync import async_to_sync
 
+from controlplane.asgi import application
+from deployments import openai
 from deployments.models import ApiKey, Deployment
 from runs.models import Checkpoint, Run
 from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 
-pytestmark = pytest.mark.django_db
+# transaction=True: the app drops the database connection after each key lookup, as Django does
+# after a request, which a test wrapped in one transaction would not survive.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture(scope="session")
@@ -26,15 +34,31 @@ def deployment_of(owner, name: str, export: str) -> Deployment:
     run = Run.objects.create(owner=owner, name=name, spec={})
     checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere", export_path=export)
     return Deployment.objects.create(
-        owner=owner, name=name, checkpoint=checkpoint, served_model_name=name,
-        status=Deployment.Status.READY, options={"max_model_len": 64},
+        owner=owner,
+        name=name,
+        checkpoint=checkpoint,
+        served_model_name=name,
+        status=Deployment.Status.READY,
+        options={"max_model_len": 64},
     )
 
 
-def post(client, path: str, body, key: str | None = None):
-    headers = {"HTTP_AUTHORIZATION": f"Bearer {key}"} if key else {}
-    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return client.post(path, data=data, content_type="application/json", **headers)
+def call(method: str, path: str, body=None, key: str | None = None) -> httpx.Response:
+    """One request to the ASGI application. async_to_sync runs the app's database lookups back
+    on this thread, inside the test's transaction."""
+    headers = {"content-type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    content = None if body is None else body if isinstance(body, (str, bytes)) else json.dumps(body)
+
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            return await client.request(method, path, content=content, headers=headers)
+
+    return async_to_sync(send)()
+
+
+def post(path: str, body, key: str | None = None) -> httpx.Response:
+    return call("POST", path, body, key)
 
 
 def chat(model: str, **extra):
@@ -59,47 +83,69 @@ def assert_openai_error(response, status: int, code: str | None = None, param: s
     return error
 
 
-def test_a_missing_or_wrong_key_is_401(client, keys):
-    assert_openai_error(post(client, "/v1/chat/completions", chat("alice-model")), 401, "invalid_api_key")
-    assert_openai_error(post(client, "/v1/chat/completions", chat("alice-model"), "fth-not-a-key"), 401)
-    assert_openai_error(post(client, "/v1/chat/completions", chat("alice-model"), keys["alice"][:-2] + "xx"), 401)
-    assert client.get("/v1/models").status_code == 401
+def test_a_missing_or_wrong_key_is_401(keys):
+    assert_openai_error(post("/v1/chat/completions", chat("alice-model")), 401, "invalid_api_key")
+    assert_openai_error(post("/v1/chat/completions", chat("alice-model"), "fth-not-a-key"), 401)
+    assert_openai_error(post("/v1/chat/completions", chat("alice-model"), keys["alice"][:-2] + "xx"), 401)
+    assert call("GET", "/v1/models").status_code == 401
 
 
-def test_another_deployments_key_is_403(client, keys):
-    error = assert_openai_error(post(client, "/v1/chat/completions", chat("alice-model"), keys["bob"]), 403, "model_not_allowed")
+def test_another_deployments_key_is_403(keys):
+    error = assert_openai_error(
+        post("/v1/chat/completions", chat("alice-model"), keys["bob"]), 403, "model_not_allowed"
+    )
     assert "bob-model" in error["message"]
 
 
-def test_a_revoked_key_is_401(client, keys):
+def test_a_revoked_key_is_401(keys):
     ApiKey.objects.update(revoked=True)
-    assert_openai_error(post(client, "/v1/chat/completions", chat("alice-model"), keys["alice"]), 401)
+    assert_openai_error(post("/v1/chat/completions", chat("alice-model"), keys["alice"]), 401)
 
 
-def test_an_unknown_model_is_404(client, keys):
-    error = assert_openai_error(post(client, "/v1/chat/completions", chat("no-such-model"), keys["alice"]), 404, "model_not_found")
+def test_an_unknown_model_is_404(keys):
+    error = assert_openai_error(
+        post("/v1/chat/completions", chat("no-such-model"), keys["alice"]), 404, "model_not_found"
+    )
     assert "alice-model" in error["message"]
 
 
-def test_bad_sampling_parameters_are_400_naming_the_parameter(client, keys):
-    for extra, param in [({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n")]:
-        assert_openai_error(post(client, "/v1/chat/completions", chat("alice-model", **extra), keys["alice"]), 400, param=param)
+def test_bad_sampling_parameters_are_400_naming_the_parameter(keys):
+    for extra, param in [
+        ({"temperature": 3}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+    ]:
+        assert_openai_error(post("/v1/chat/completions", chat("alice-model", **extra), keys["alice"]), 400, param=param)
 
 
-def test_an_oversized_prompt_is_400_with_the_context_length(client, keys):
+def test_an_oversized_prompt_is_400_with_the_context_length(keys):
     body = {"model": "alice-model", "messages": [{"role": "user", "content": "lorem ipsum " * 200}]}
-    error = assert_openai_error(post(client, "/v1/chat/completions", body, keys["alice"]), 400, "context_length_exceeded")
+    error = assert_openai_error(post("/v1/chat/completions", body, keys["alice"]), 400, "context_length_exceeded")
     assert "64 tokens" in error["message"]
 
 
-def test_malformed_json_is_400(client, keys):
-    assert_openai_error(post(client, "/v1/chat/completions", "{not json", keys["alice"]), 400)
+def test_malformed_json_is_400(keys):
+    assert_openai_error(post("/v1/chat/completions", "{not json", keys["alice"]), 400)
 
 
-def test_models_lists_the_keys_deployment(client, keys):
-    response = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {keys['alice']}")
+def test_models_lists_the_keys_deployment(keys):
+    response = call("GET", "/v1/models", key=keys["alice"])
     assert [m["id"] for m in response.json()["data"]] == ["alice-model"]
 
 
-def test_a_ready_deployment_without_live_replicas_is_503_not_a_hang(client, keys):
-    assert_openai_error(post(client, "/v1/chat/completions", chat("alice-model"), keys["alice"]), 503)
+def test_a_ready_deployment_without_live_replicas_is_503_not_a_hang(keys):
+    assert_openai_error(post("/v1/chat/completions", chat("alice-model"), keys["alice"]), 503)
+
+
+def test_a_revoked_key_is_refused_once_its_cache_entry_expires(keys, monkeypatch):
+    monkeypatch.setattr(openai, "KEY_CACHE_S", 0.3)
+    assert_openai_error(post("/v1/chat/completions", chat("alice-model"), keys["alice"]), 503)  # let in
+    ApiKey.objects.update(revoked=True)
+    time.sleep(0.4)
+    assert_openai_error(post("/v1/chat/completions", chat("alice-model"), keys["alice"]), 401)
+
+
+def test_unknown_paths_and_wrong_methods_answer_in_openai_shape(keys):
+    assert_openai_error(post("/v1/embeddings", {"model": "alice-model"}, keys["alice"]), 404, "unknown_url")
+    assert_openai_error(call("GET", "/v1/chat/completions", key=keys["alice"]), 405, "method_not_allowed")

@@ -1,6 +1,6 @@
 """A run created through the REST API trains for real and is followed live over a websocket.
 
-Real processes throughout: daphne (HTTP + websockets), a Celery worker on the configured broker,
+Real processes throughout: the web process (uvicorn: HTTP + websockets), a Celery worker on the configured broker,
 node agents under torchrun machinery, gloo ranks. Nothing is faked.
 """
 

@@ -8,8 +8,6 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
-
 from serving.router import (
     Backend,
     BackendUnavailable,
@@ -53,7 +51,7 @@ class ScriptedBackend:
 def router_over(*backends: ScriptedBackend) -> Router:
     by_key = {b.key: b for b in backends}
 
-    def factory(endpoint: ReplicaEndpoint, client: httpx.AsyncClient) -> Backend:
+    def factory(endpoint: ReplicaEndpoint) -> Backend:
         return by_key[endpoint.key]
 
     return Router(StaticReplicas(tuple(by_key)), model="tiny", backend_factory=factory)
