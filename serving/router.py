@@ -5,8 +5,8 @@ Layers, as in TGI: the HTTP view (Django's, or `serving.app` standalone) validat
 small `Backend` interface; `HttpBackend` is the vLLM replica behind it. Everything is async and
 shares one aiohttp session, so a stream costs a coroutine, not a thread. aiohttp rather than
 httpx on this hop: it parses HTTP in C, and relaying each token's SSE event is the router's whole
-per-token cost (measured on this machine: about half the CPU per relayed token of httpx's
-pure-Python stack, which on a CPU host is taken from the replicas).
+per-token cost (bench.serving: 60 ms of router CPU per 1000 relayed tokens with httpx under
+daphne, 40 ms with aiohttp under uvicorn).
 
 Choice: among routable replicas (the source says ready, and this router has not seen a
 connection to it fail in the last `eject_s`), the one with the fewest requests this router has

@@ -30,7 +30,7 @@ import random
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from training.checkpoint_paths import (
     _PREFIX,
@@ -128,10 +130,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 @dataclass
 class _PendingSave:
+    """A background save: staged (the state is copied), then written, then committed."""
+
     step: int
-    staging: Path
-    future: Future[Any]
-    trainer_state: dict[str, Any]
+    staged: Future[None]  # until then the optimizer must not step: the copy is being taken
+    finished: Future[None]  # this rank's share is on disk; on rank 0, the checkpoint is committed
 
 
 class Checkpointer:
@@ -147,7 +150,7 @@ class Checkpointer:
         tokenizer_dir: Path,
         rank: int,
         hooks: list[TrainHook],
-        on_commit: Callable[[int, Path], None] | None = None,  # rank 0, after each commit
+        on_commit: Callable[[int, Path], None] | None = None,  # rank 0, after each commit, on the caller's thread
     ) -> None:
         self.run_dir = run_dir
         self.parts = parts
@@ -159,9 +162,29 @@ class Checkpointer:
         self.on_commit = on_commit
         self.distributed = dist.is_available() and dist.is_initialized()
         self.pending: _PendingSave | None = None
-        # dcp.async_save's collectives run on a background thread; sharing the default group with
-        # FSDP's collectives on the main thread hangs or corrupts messages, so it gets its own group.
-        self.async_group = dist.new_group(backend="gloo") if spec.train.async_checkpoint and self.distributed else None
+        self.async_group: dist.ProcessGroup | None = None
+        if spec.train.async_checkpoint:
+            # dcp.async_save's collectives run on a background thread; sharing the default group
+            # with FSDP's collectives on the main thread hangs or corrupts messages.
+            self.async_group = dist.new_group(backend="gloo") if self.distributed else None
+            # One stager for the run: it keeps its copy buffers from one save to the next, and
+            # copies on its own thread while the next step's forward and backward run (they read
+            # the parameters; only the optimizer step, which waits for the copy, writes them).
+            on_gpu = any(p.is_cuda for part in parts for p in part.parameters())
+            self._stager: DefaultStager | None = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=on_gpu,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=on_gpu,
+                )
+            )
+            # Waiting for the write, the hooks and (rank 0) the commit's fsyncs and renames all
+            # happen here, off the training thread.
+            self._finisher: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="fathom-checkpoint")
+        else:
+            self._stager = None
+            self._finisher = None
 
     def _state_dict(self) -> dict[str, Any]:
         model: dict[str, Any] = {}
@@ -178,34 +201,67 @@ class Checkpointer:
     # Saving ----------------------------------------------------------------------------------
 
     def save(self, step: int, trainer_state: dict[str, Any]) -> None:
-        """Writes the checkpoint of `step`; with async_checkpoint the write finishes in the background."""
+        """Writes the checkpoint of `step`; with async_checkpoint the write finishes in the background
+        (call `wait_for_staging` before the next optimizer step, and `poll` once per step)."""
         self.wait()  # at most one save in flight: a second would race the first's commit
         staging = checkpoint_path(self.run_dir, step).with_name(f"{_PREFIX}{step:08d}{_STAGING_SUFFIX}")
+        if self._stager is not None:
+            # No barrier: resume() removed every uncommitted folder before any rank trained, so
+            # nobody else is deleting this one.
+            self._save_in_background(step, staging, trainer_state)
+            return
         if self.rank == 0 and staging.exists():
             shutil.rmtree(staging)
         self._barrier()  # nobody writes into the folder while rank 0 may still be deleting it
-        (staging / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), staging / "rng" / f"rank{self.rank:05d}.pt")
-        state = self._state_dict()
-        if self.async_group is not None:
-            future = dcp.async_save(state, checkpoint_id=staging, process_group=self.async_group)
-            assert isinstance(future, Future)
-            self.pending = _PendingSave(step, staging, future, trainer_state)
-            return
+        self._write_rng(staging)
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=staging, no_dist=not self.distributed)
+            dcp.save(self._state_dict(), checkpoint_id=staging, no_dist=not self.distributed)
         for hook in self.hooks:
             hook.before_checkpoint_commit(step, staging)
         self._barrier()  # every rank's shards and RNG file are on disk
         if self.rank == 0:
             self._commit(step, staging, trainer_state)
+            if self.on_commit is not None:
+                self.on_commit(step, checkpoint_path(self.run_dir, step))
         # No rank steps past a checkpoint before it is committed: a rank that fails right after
         # it then resumes from it, instead of from the one before.
         self._barrier()
 
+    def _write_rng(self, staging: Path) -> None:
+        (staging / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), staging / "rng" / f"rank{self.rank:05d}.pt")
+
+    def _save_in_background(self, step: int, staging: Path, trainer_state: dict[str, Any]) -> None:
+        assert self._stager is not None and self._finisher is not None
+        self._write_rng(staging)  # now: the RNG moves on with the next step
+        response = dcp.async_save(
+            self._state_dict(), checkpoint_id=staging, process_group=self.async_group, async_stager=self._stager
+        )
+        assert isinstance(response, AsyncSaveResponse)
+
+        def finish() -> None:
+            response.upload_completion.result()  # re-raises a failed write
+            # Each rank calls the hook once its own write is done, which for ranks other than 0
+            # may be after rank 0 committed; with synchronous saves every rank calls it first.
+            for hook in self.hooks:
+                hook.before_checkpoint_commit(step, staging)
+            # Rank 0's write completes only after DCP gathered every rank's write results and
+            # wrote the metadata, and each rank wrote its RNG file before joining that save, so
+            # rank 0 may commit without a barrier (which saves finishing at different steps on
+            # different ranks could not meet).
+            if self.rank == 0:
+                self._commit(step, staging, trainer_state)
+
+        self.pending = _PendingSave(step, response.staging_completion, self._finisher.submit(finish))
+
+    def wait_for_staging(self) -> None:
+        """Blocks until a background save has copied the state; call before each optimizer step."""
+        if self.pending is not None:
+            self.pending.staged.result()
+
     def poll(self) -> None:
-        """Commits a finished background save; call once per step. Never blocks."""
-        if self.pending is not None and self.pending.future.done():
+        """Reports a finished background save (and re-raises its failure); call once per step."""
+        if self.pending is not None and self.pending.finished.done():
             self._finish_pending()
 
     def wait(self) -> None:
@@ -213,19 +269,21 @@ class Checkpointer:
         if self.pending is not None:
             self._finish_pending()
 
+    def close(self) -> None:
+        """Waits for a background save, then stops the background threads."""
+        self.wait()
+        if self._finisher is not None:
+            self._finisher.shutdown()
+        if self._stager is not None:
+            self._stager.close()
+
     def _finish_pending(self) -> None:
         pending, self.pending = self.pending, None
         assert pending is not None
-        pending.future.result()  # re-raises a failed write
-        # Each rank calls the hook once its own background write is done, which for ranks other
-        # than 0 may be after rank 0 committed; with synchronous saves every rank calls it first.
-        for hook in self.hooks:
-            hook.before_checkpoint_commit(pending.step, pending.staging)
-        # Rank 0's future completes only after DCP gathered every rank's write results and wrote
-        # the metadata, and each rank wrote its RNG file before joining that save, so rank 0 may
-        # commit without a barrier (which background completion at different steps could not meet).
-        if self.rank == 0:
-            self._commit(pending.step, pending.staging, pending.trainer_state)
+        pending.staged.result()
+        pending.finished.result()
+        if self.rank == 0 and self.on_commit is not None:
+            self.on_commit(pending.step, checkpoint_path(self.run_dir, pending.step))
 
     def _commit(self, step: int, staging: Path, trainer_state: dict[str, Any]) -> None:
         metadata = {
@@ -246,8 +304,6 @@ class Checkpointer:
         _fsync_dir(final.parent)
         for old in committed_checkpoints(self.run_dir)[: -self.spec.train.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
-        if self.on_commit is not None:
-            self.on_commit(step, final)
 
     # Loading ---------------------------------------------------------------------------------
 

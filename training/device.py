@@ -8,8 +8,11 @@ the MFU denominator and the memory figure.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -67,13 +70,34 @@ def table_peak_flops(device_name: str) -> float | None:
     return None
 
 
-def peak_flops(device: ComputeDevice, precision: str) -> float:
+def peak_flops(device: ComputeDevice, precision: str, cache_dir: Path | None = None) -> float:
     """The per-rank FLOP/s that MFU divides by.
 
     CPU: the best measured fp32 matmul (metrics.measure_matmul_peak). CUDA in bf16: the data sheet's
     peak for a known GPU; otherwise (fp32, or a GPU not in the table) a matmul probe on the GPU in
     the run's precision.
+
+    A probe takes about half a second, and a restarted job waits for it: with `cache_dir` (the run's),
+    the figure measured on this host is kept there and read back by later attempts, which also keeps
+    MFU comparable across restarts.
     """
+    if cache_dir is None:
+        return _peak_flops(device, precision)
+    name = device.torch_device.type if device.type == "cpu" else torch.cuda.get_device_name(device.torch_device)
+    cache = cache_dir / f"{socket.gethostname()}-{name.replace(' ', '_')}-{precision}.json"
+    try:
+        return float(json.loads(cache.read_text())["flops"])
+    except (OSError, ValueError, KeyError):
+        pass
+    flops = _peak_flops(device, precision)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"flops": flops}))
+    os.replace(tmp, cache)
+    return flops
+
+
+def _peak_flops(device: ComputeDevice, precision: str) -> float:
     if device.type == "cpu":
         return measure_matmul_peak()
     if precision == "bf16":

@@ -119,7 +119,7 @@ class Trainer:
         )
         self.tokens_per_step = spec.train.global_batch * spec.model.seq_len
         self.flops_per_token = flops_per_token(spec.model)
-        self.peak_flops = peak_flops(device, spec.layout.precision) if rank == 0 else 0.0
+        self.peak_flops = peak_flops(device, spec.layout.precision, run_dir / "peak_flops") if rank == 0 else 0.0
 
     # --- One step -----------------------------------------------------------------------------
 
@@ -175,6 +175,7 @@ class Trainer:
         if self.model.grad_sync is not None:
             self.model.grad_sync.finish()
         grad_norm = clip_grad_norm_(self.params, self.spec.train.grad_clip, self.pp_group)
+        self.checkpointer.wait_for_staging()  # a background save may still be copying the weights
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -243,7 +244,7 @@ class Trainer:
             self.checkpointer.poll()
             if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
                 self.checkpointer.save(step, self.trainer_state())
-        self.checkpointer.wait()
+        self.checkpointer.close()
         if self.rank == 0:
             say(f"finished step {cfg.steps}")
         if self.events is not None:

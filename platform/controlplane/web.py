@@ -2,7 +2,7 @@
 
 uvicorn with uvloop and httptools serves HTTP and websockets (Channels) from one ASGI app. Its C
 parsers matter on the OpenAI endpoint, where every generated token is an SSE event relayed
-through this process (bench.serving measures the cost per 1000 relayed tokens).
+through this process (bench.serving prints the web process's CPU per 1000 relayed tokens).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from training.device import CPU, ComputeDevice, choose_device, device_from_environment, peak_flops, table_peak_flops
@@ -33,3 +36,11 @@ def test_gpu_peaks_come_from_the_data_sheet_by_device_name() -> None:
 
 def test_the_cpu_peak_is_a_measured_matmul_rate() -> None:
     assert peak_flops(CPU, "fp32") > 0
+
+
+def test_a_restarted_run_reads_the_peak_its_first_attempt_measured_on_this_host(tmp_path: Path) -> None:
+    first = peak_flops(CPU, "fp32", tmp_path)
+    (cached,) = tmp_path.iterdir()
+    assert json.loads(cached.read_text()) == {"flops": first}
+    cached.write_text(json.dumps({"flops": 123.0}))  # proof that the second call measures nothing
+    assert peak_flops(CPU, "fp32", tmp_path) == 123.0
