@@ -25,7 +25,10 @@ import sys
 
 def main() -> None:
     entrypoint = sys.argv[1]
-    importlib.import_module(entrypoint)  # the expensive part, done while nobody waits
+    importlib.import_module(entrypoint)  # the expensive part (torch, the trainer), done while nobody waits
+    # runpy runs the entry point afresh as __main__; left in sys.modules it would warn that the
+    # module was imported before it ran. What it imported stays loaded.
+    del sys.modules[entrypoint]
     line = sys.stdin.readline()
     if not line:
         os._exit(0)
