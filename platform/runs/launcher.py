@@ -2,7 +2,9 @@
 
 Agents outlive the Celery task that starts them: the task returns as soon as they run. Each
 agent is started under `flock -n` on a per-node lock file, so a launch delivered twice (a
-worker killed after it claimed the run) can never start a second agent for the same node.
+worker killed after it claimed the run) can never start a second agent for the same node. A run
+of several nodes also gets its rendezvous store as a process of its own
+(training/rendezvous_store.py), so that losing node 0's agent does not end the job.
 """
 
 from __future__ import annotations
@@ -42,30 +44,48 @@ def prepare(run: Run) -> tuple[Path, str]:
     return folder, secrets.token_urlsafe(32)
 
 
+def _start_detached(command: list[str], log_path: Path, env: dict[str, str]) -> int:
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            command, cwd=settings.REPO_DIR, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True,  # it must survive the Celery worker that started it
+        )  # fmt: skip
+    return process.pid
+
+
 def start_agents(run: Run, folder: Path, token: str) -> list[int]:
     spec = RunSpec.from_dict(run.spec)
     rdzv = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONPATH=str(settings.REPO_DIR), OMP_NUM_THREADS="1")
+    store_args: list[str] = []
+    if spec.nodes.max > 1:
+        # It leaves by itself once no agent of the run holds its lock; the agents only connect.
+        _start_detached(
+            [settings.TRAINING_PYTHON, "-m", "training.rendezvous_store", "--endpoint", rdzv, "--run-dir", str(folder)],
+            folder / "logs" / "rendezvous-store.log",
+            env,
+        )
+        store_args = ["--host-store", "no"]
     pids = []
     for node in range(spec.nodes.max):
         command = [
             "flock", "-n", "-E", "75", str(folder / f"agent-node{node}.lock"),
             settings.TRAINING_PYTHON, "-m", "training.agent",
-            "--spec", str(folder / "spec.json"),
-            "--run-dir", str(folder),
-            "--node-rank", str(node),
-            "--rdzv-endpoint", rdzv,
-            "--events-url", f"{settings.PUBLIC_URL}/api/runs/{run.pk}/events/",
-            "--run-token", token,
-        ]
-        log = (folder / "logs" / f"agent-node{node}.log").open("ab")
-        process = subprocess.Popen(
-            command, cwd=settings.REPO_DIR, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            start_new_session=True,  # the agent must survive the Celery worker that started it
-        )
-        log.close()
-        pids.append(process.pid)
+            *agent_arguments(run, folder, node, rdzv, token), *store_args,
+        ]  # fmt: skip
+        pids.append(_start_detached(command, folder / "logs" / f"agent-node{node}.log", env))
     return pids
+
+
+def agent_arguments(run: Run, folder: Path, node: int, rdzv: str, token: str) -> list[str]:
+    return [
+        "--spec", str(folder / "spec.json"),
+        "--run-dir", str(folder),
+        "--node-rank", str(node),
+        "--rdzv-endpoint", rdzv,
+        "--events-url", f"{settings.PUBLIC_URL}/api/runs/{run.pk}/events/",
+        f"--run-token={token}",  # one word: a token may start with "-", which argparse takes for an option
+    ]  # fmt: skip
 
 
 def agents_alive(run: Run) -> bool:

@@ -122,7 +122,7 @@ class Agents:
         if rdzv_endpoint:
             command += ["--rdzv-endpoint", rdzv_endpoint]
         if events_url:
-            command += ["--events-url", events_url, "--run-token", run_token or ""]
+            command += ["--events-url", events_url, f"--run-token={run_token or ''}"]
         command += list(extra)
         output = run_dir / f"agent-node{node_rank}.out"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -7,12 +7,14 @@ start, and the job restarts with both.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import AgentRun, Agents, free_port, training_spec, wait_for
+from tests.faults.harness import ROOT, AgentRun, Agents, free_port, training_spec, wait_for
 from training.heartbeat import read_beat
 
 pytestmark = pytest.mark.slow
@@ -77,3 +79,32 @@ def test_losing_a_node_with_min_two_restarts_both_when_a_replacement_joins(agent
     node1_events = replacement.events
     assert [e["seq"] for e in node1_events] == list(range(1, len(node1_events) + 1))
     assert [e["kind"] for e in node1_events].count("agent_started") == 2
+
+
+def test_losing_node_0_continues_on_node_1_when_the_store_runs_apart(agents: Agents, tmp_path: Path) -> None:
+    """With the rendezvous store in its own process (as the launcher starts multi-node runs),
+    node 0 is no different from any other node: its loss leaves node 1 to go on alone."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    store = subprocess.Popen(
+        [sys.executable, "-m", "training.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=(tmp_path / "store.out").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        spec = training_spec(dp=4, nodes={"min": 1, "max": 2}, faults=[{"kind": "kill_agent", "node": 0, "step": 6}])
+        apart = ("--host-store", "no", *LAST_CALL)
+        node0 = agents.start(spec, run_dir, node_rank=0, rdzv_endpoint=endpoint, extra=apart)
+        node1 = agents.start(spec, run_dir, node_rank=1, rdzv_endpoint=endpoint, extra=apart)
+        assert node0.wait() < 0, node0.tail()  # killed by the injected fault
+        assert node1.wait() == 0, node1.tail()
+        assert _ranks_of_dead_agent_are_gone(node0)
+        worlds = [r["world_size"] for r in node1.of_kind("rendezvous")]
+        assert worlds[0] == 4 and worlds[-1] == 2
+        assert node1.of_kind("node_lost")[0] | {"time": 0} == {"nodes_before": 2, "nodes": 1, "time": 0}
+        assert sorted(node0.losses() | node1.losses()) == list(range(1, 13))
+    finally:
+        store.kill()
+        store.wait()

@@ -101,6 +101,25 @@ def test_a_two_rank_run_trains_streams_live_and_is_exported(alice, live_web, cel
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_two_node_run_meets_at_a_rendezvous_store_of_its_own(alice, live_web, celery_worker):
+    client = api(live_web, alice)
+    spec = {
+        "layout": {"dp": 2},
+        "nodes": {"min": 2, "max": 2, "nproc_per_node": 1},
+        "train": {"steps": 4, "warmup_steps": 2, "checkpoint_interval": 2},
+    }
+    run_id = client.post("/api/runs/", json={"name": "two nodes", "spec": spec}).json()["id"]
+    wait_until(lambda: Run.objects.get(pk=run_id).status == "succeeded", 300, "the run to succeed")
+    run = Run.objects.get(pk=run_id)
+    rendezvous = list(run.events.filter(kind="rendezvous").values_list("data", flat=True))
+    assert sorted(r["node"] for r in rendezvous) == [0, 1] and {r["nodes"] for r in rendezvous} == {2}
+    # The agents were told not to host the store (--host-store no), so they met at the one the
+    # launcher started beside them.
+    assert "rendezvous store listening on 127.0.0.1:" in (run.folder / "logs" / "rendezvous-store.log").read_text()
+    assert list(run.events.filter(kind="metrics").values_list("data__step", flat=True)) == [1, 2, 3, 4]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_worker_killed_right_after_claiming_a_launch_still_starts_exactly_one_run(alice, live_web, celery_worker):
     client = api(live_web, alice)
     spec = {"train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 3}}

@@ -1,0 +1,85 @@
+"""The rendezvous store of a multi-node run, in a process of its own.
+
+torch's c10d rendezvous keeps the job's membership in a TCPStore that, by default, the agent of
+node 0 hosts: losing that agent then ends the job on every node, whatever `nodes.min` says. For a
+run with more than one node the launcher starts this process first and has every agent connect to
+it (`--host-store no`), so any node, node 0 included, may be lost. (The ranks' own store is not
+affected: each rendezvous round's rank-0 agent hosts it anew.)
+
+    python -m training.rendezvous_store --endpoint HOST:PORT --run-dir DIR
+
+It leaves when the run's agents are gone: once no `agent-node<K>.lock` in DIR is held (the launcher
+starts each agent under flock on it) for IDLE_EXIT_S. The locks are read from /proc/locks, never
+taken: a relaunched agent must not find its lock held by this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+# Agents import torch before they first connect, which takes a while on a busy machine.
+START_GRACE_S = 120.0
+# How long the store waits after the last agent left: a relaunch (reconcile re-sending a lost
+# launch) takes a few seconds to start again.
+IDLE_EXIT_S = 30.0
+# What a client may wait for a key; the rendezvous sets its own, shorter deadlines.
+STORE_TIMEOUT = timedelta(minutes=30)
+
+FileId = tuple[int, int, int]  # device major, device minor, inode
+
+
+def held_flocks(proc_locks: str | None = None) -> set[FileId]:
+    """Files that some process holds a flock on, from the text of /proc/locks."""
+    text = Path("/proc/locks").read_text() if proc_locks is None else proc_locks
+    held = set()
+    for line in text.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2146486 0 EOF"; a waiter's line carries "->".
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields:
+            major, minor, inode = fields[5].split(":")
+            held.add((int(major, 16), int(minor, 16), int(inode)))
+    return held
+
+
+def agents_running(run_dir: Path) -> bool:
+    held = held_flocks()
+    for lock in run_dir.glob("agent-node*.lock"):
+        try:
+            st = lock.stat()
+        except FileNotFoundError:
+            continue
+        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held:
+            return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m training.rendezvous_store", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--endpoint", required=True, help="HOST:PORT the agents are given as --rdzv-endpoint")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--start-grace-s", type=float, default=START_GRACE_S, help="for the first agent to appear")
+    parser.add_argument("--idle-exit-s", type=float, default=IDLE_EXIT_S, help="after the last agent left")
+    args = parser.parse_args(argv)
+    host, port = args.endpoint.rsplit(":", 1)
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        host, int(port), is_master=True, multi_tenant=True, wait_for_workers=False, timeout=STORE_TIMEOUT
+    )
+    print(f"rendezvous store listening on {args.endpoint}", flush=True)
+    deadline = time.monotonic() + args.start_grace_s
+    while time.monotonic() < deadline:
+        time.sleep(min(1.0, args.idle_exit_s / 2))
+        if agents_running(args.run_dir):
+            deadline = time.monotonic() + args.idle_exit_s
+    print("no agent of the run is left: the store closes", flush=True)
+    del store
+
+
+if __name__ == "__main__":
+    main()
