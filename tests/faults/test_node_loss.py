@@ -40,18 +40,21 @@ def _ranks_of_dead_agent_are_gone(run: AgentRun) -> bool:
     return before == [read_beat(f) for f in files]
 
 
+def _assert_the_survivor_went_on_alone(dead: AgentRun, survivor: AgentRun) -> None:
+    assert dead.wait() < 0, dead.tail()  # killed by the injected fault
+    assert survivor.wait() == 0, survivor.tail()
+    assert _ranks_of_dead_agent_are_gone(dead)
+    worlds = [r["world_size"] for r in survivor.of_kind("rendezvous")]
+    assert worlds[0] == 4 and worlds[-1] == 2
+    assert survivor.of_kind("node_lost")[0] | {"time": 0} == {"nodes_before": 2, "nodes": 1, "time": 0}
+    # Rank 0, which reports the losses, may have been on either node before the loss.
+    assert sorted(dead.losses() | survivor.losses()) == list(range(1, 13))
+
+
 def test_losing_a_node_with_min_one_continues_on_the_survivor(agents: Agents, tmp_path: Path) -> None:
     node0, node1, _ = _start_pair(agents, tmp_path / "run", {"min": 1, "max": 2})
-    assert node1.wait() < 0, node1.tail()  # killed by the injected fault
-    assert node0.wait() == 0, node0.tail()
-    assert _ranks_of_dead_agent_are_gone(node1)
-
-    worlds = [r["world_size"] for r in node0.of_kind("rendezvous")]
-    assert worlds[0] == 4 and worlds[-1] == 2
-    assert node0.of_kind("node_lost")[0] | {"time": 0} == {"nodes_before": 2, "nodes": 1, "time": 0}
+    _assert_the_survivor_went_on_alone(dead=node1, survivor=node0)
     assert [r["step"] for r in node0.of_kind("resumed")] == [4]
-    # Rank 0, which reports the losses, may have been on either node before the loss.
-    assert sorted(node0.losses() | node1.losses()) == list(range(1, 13))
     assert (tmp_path / "run" / "node0" / "spec.json").read_text().count('"dp": 2') == 1
 
 
@@ -98,13 +101,7 @@ def test_losing_node_0_continues_on_node_1_when_the_store_runs_apart(agents: Age
         apart = ("--host-store", "no", *LAST_CALL)
         node0 = agents.start(spec, run_dir, node_rank=0, rdzv_endpoint=endpoint, extra=apart)
         node1 = agents.start(spec, run_dir, node_rank=1, rdzv_endpoint=endpoint, extra=apart)
-        assert node0.wait() < 0, node0.tail()  # killed by the injected fault
-        assert node1.wait() == 0, node1.tail()
-        assert _ranks_of_dead_agent_are_gone(node0)
-        worlds = [r["world_size"] for r in node1.of_kind("rendezvous")]
-        assert worlds[0] == 4 and worlds[-1] == 2
-        assert node1.of_kind("node_lost")[0] | {"time": 0} == {"nodes_before": 2, "nodes": 1, "time": 0}
-        assert sorted(node0.losses() | node1.losses()) == list(range(1, 13))
+        _assert_the_survivor_went_on_alone(dead=node0, survivor=node1)
     finally:
         store.kill()
         store.wait()
