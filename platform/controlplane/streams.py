@@ -16,6 +16,7 @@ from typing import Any
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
+from django.db.models import Model
 
 # With the in-memory channel layer, events recorded by another process (a Celery worker) are
 # not published to this one; the consumer also polls the database this often to catch them.
@@ -27,21 +28,25 @@ REPLAY_BATCH = 2000
 
 
 class EventStreamConsumer(AsyncJsonWebsocketConsumer):
-    """Subclasses say which object the URL names, whether the user owns it, and how to read its
-    events; group messages of type `stream.events` carry `{"events": [...]}` with seqs."""
+    """Subclasses say which model the URL names and its channel group. The model has an `owner`
+    and `events` (with `seq` and `as_message()`); group messages of type `stream.events` carry
+    `{"events": [...]}` with seqs."""
 
     url_kwarg = ""
+    model: type[Model]
     subject: Any
     sent_seq = 0
 
     def load_owned(self, user: Any, object_id: int) -> Any | None:
-        raise NotImplementedError
+        if user is None or not user.is_authenticated:
+            return None
+        return self.model._default_manager.filter(pk=object_id, owner=user).first()
 
     def group_for(self, object_id: int) -> str:
         raise NotImplementedError
 
     def events_after(self, subject: Any, after: int, limit: int) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        return [e.as_message() for e in subject.events.filter(seq__gt=after).order_by("seq")[:limit]]
 
     async def on_started(self) -> None:
         """Called once the history is sent; subclasses may start extra feeds."""

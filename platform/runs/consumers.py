@@ -4,7 +4,6 @@ lines of rank 0's log."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from controlplane.streams import EventStreamConsumer
 from runs import services
@@ -16,17 +15,10 @@ LOG_POLL_SECONDS = 1.0
 
 class RunConsumer(EventStreamConsumer):
     url_kwarg = "run_id"
-
-    def load_owned(self, user: Any, object_id: int) -> Run | None:
-        if user is None or not user.is_authenticated:
-            return None
-        return Run.objects.filter(pk=object_id, owner=user).first()
+    model = Run
 
     def group_for(self, object_id: int) -> str:
         return services.run_group(object_id)
-
-    def events_after(self, subject: Run, after: int, limit: int) -> list[dict[str, Any]]:
-        return services.events_after(subject, after, limit)
 
     async def on_started(self) -> None:
         self.tasks.append(asyncio.create_task(self._stream_log()))
