@@ -20,6 +20,12 @@ pytestmark = pytest.mark.browser
 RECONNECT_TIMEOUT_MS = 90_000
 
 
+def create_run(owner, name: str, spec_changes: dict, **fields) -> Run:
+    """A run as the API would store it: its spec checked and filled in from the recipe."""
+    spec = services.check_spec(spec_changes).to_dict()
+    return off_loop(lambda: Run.objects.create(owner=owner, name=name, spec=spec, **fields))
+
+
 def record(run: Run, kind: str, data: dict) -> None:
     off_loop(lambda: services.do_record_event(run, kind, data))
 
@@ -41,8 +47,7 @@ def test_the_run_page_resumes_after_its_last_event_when_the_web_process_restarts
     # While the web process is down, the socket's reconnects and the log poll fail by design.
     console.allow(r"WebSocket connection to .* failed")
     console.allow(r"Failed to load resource: net::ERR_CONNECTION_REFUSED")
-    spec = services.check_spec({"layout": {"dp": 2}}).to_dict()
-    run = off_loop(lambda: Run.objects.create(owner=alice, name="followed", spec=spec, status="running"))
+    run = create_run(alice, "followed", {"layout": {"dp": 2}}, status="running")
     sockets: list[WebSocket] = []
     page.on("websocket", lambda socket: sockets.append(socket))
     record_metrics(run, range(1, 4))
@@ -96,8 +101,7 @@ def test_cancel_resume_and_clone_act_on_the_run_and_the_buttons_follow_its_statu
     alice, live_web, browser_page: Page, console: ConsoleWatch
 ):
     page = browser_page
-    spec = services.check_spec({"train": {"steps": 20}}).to_dict()
-    run = off_loop(lambda: Run.objects.create(owner=alice, name="steered", spec=spec, status="running"))
+    run = create_run(alice, "steered", {"train": {"steps": 20}}, status="running")
     log_in(page, live_web.url, "alice", "alice-password-1")
     page.goto(f"{live_web.url}/runs/{run.pk}")
     cancel = page.get_by_role("button", name="Cancel")
@@ -135,8 +139,7 @@ def test_every_page_fits_a_phone_screen_and_its_controls_have_labels(
     alice, live_web, browser_page: Page, console: ConsoleWatch
 ):
     page = browser_page
-    spec = services.check_spec({"layout": {"dp": 2}}).to_dict()
-    run = off_loop(lambda: Run.objects.create(owner=alice, name="a run with a rather long name", spec=spec))
+    run = create_run(alice, "a run with a rather long name", {"layout": {"dp": 2}})
     record_metrics(run, range(1, 6))
     page.set_viewport_size({"width": 390, "height": 844})
     log_in(page, live_web.url, "alice", "alice-password-1")
