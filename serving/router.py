@@ -111,8 +111,6 @@ class Backend(Protocol):
 
     key: str
 
-    async def health(self) -> bool: ...
-
     async def send(self, path: str, body: bytes) -> UpstreamResponse:
         """POST `body` to `path`; return once the response head has arrived. Raises
         `BackendUnavailable` when nothing was received, `BackendTimeout` when the head did not
@@ -162,15 +160,6 @@ class HttpBackend:
         self.key = key
         self.url = url.rstrip("/")
         self._client = client
-
-    async def health(self) -> bool:
-        try:
-            async with self._client.session().get(
-                f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5.0)
-            ) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
 
     async def _post(self, path: str, body: bytes) -> aiohttp.ClientResponse:
         return await self._client.session().post(

@@ -29,9 +29,6 @@ class ScriptedBackend:
         self.release = asyncio.Event()
         self.requests: list[bytes] = []
 
-    async def health(self) -> bool:
-        return not self.refuse
-
     async def send(self, path: str, body: bytes) -> UpstreamResponse:
         if self.refuse:
             raise BackendUnavailable(f"{self.key} refused")
