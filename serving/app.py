@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from serving.gateway import Gateway
-from serving.requests import PromptCounter, ServedModel
-from serving.router import ProxyResponse, Router, StateFileReplicas
+from serving.requests import PromptCounter, ServedModel, unknown_endpoint
+from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -107,18 +107,7 @@ def create_app(gateway: Gateway) -> ASGIApp:
         elif method == "POST":
             await send_response(send, await gateway.handle(path, await read_body(receive)), receive)
         else:
-            await send_json(
-                send,
-                404,
-                {
-                    "error": {
-                        "message": f"{method} {path} not found",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": "unknown_url",
-                    }
-                },
-            )
+            await send_response(send, error_response(unknown_endpoint(path)))
 
     return app
 

@@ -152,19 +152,23 @@ def _prompt_tokens(body: dict[str, Any], endpoint: Endpoint, counter: PromptCoun
     raise invalid_request("prompt must be a string, a list of token ids, or a list holding one string", "prompt")
 
 
+def unknown_endpoint(path: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"Unknown endpoint {path}; Fathom serves /v1/models, {', '.join(ENDPOINTS)}.",
+        "invalid_request_error",
+        None,
+        "unknown_url",
+    )
+
+
 def check_request(path: str, body: Any, models: dict[str, ServedModel]) -> ServedModel:
     """Validate an OpenAI request body for `path`; return the model it addresses.
 
     Raises `OpenAIError`: 404 for an unknown path or model, 400 for anything else wrong."""
     endpoint = ENDPOINTS.get(path)
     if endpoint is None:
-        raise OpenAIError(
-            404,
-            f"Unknown endpoint {path}; Fathom serves {', '.join(ENDPOINTS)}.",
-            "invalid_request_error",
-            None,
-            "unknown_url",
-        )
+        raise unknown_endpoint(path)
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object")
     name = body.get("model")

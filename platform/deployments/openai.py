@@ -30,7 +30,7 @@ from deployments.models import ApiKey, Deployment
 from serving.app import Receive, Scope, Send, read_body, send_json, send_response
 from serving.errors import OpenAIError
 from serving.gateway import Gateway
-from serving.requests import ENDPOINTS, PromptCounter, ServedModel
+from serving.requests import ENDPOINTS, PromptCounter, ServedModel, unknown_endpoint
 from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
 
 # last_used_at is a hint for humans; writing it on every request would add a DB write per call.
@@ -158,10 +158,7 @@ async def _answer(scope: Scope, receive: Receive) -> ProxyResponse | dict[str, A
     """The response to one request: a gateway's ProxyResponse, or a JSON document."""
     path, method = scope["path"], scope["method"]
     if path != "/v1/models" and path not in ENDPOINTS:
-        return error_response(
-            OpenAIError(404, f"Unknown endpoint {path}; Fathom serves /v1/models and {', '.join(ENDPOINTS)}.",
-                        "invalid_request_error", None, "unknown_url")
-        )  # fmt: skip
+        return error_response(unknown_endpoint(path))
     allowed = "GET" if path == "/v1/models" else "POST"
     if method != allowed:
         return error_response(
