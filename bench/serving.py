@@ -217,9 +217,8 @@ def _placement() -> tuple[set[int], set[int]]:
 
 
 def _start(command: list[str], *, cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def main() -> None:
