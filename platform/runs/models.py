@@ -45,6 +45,12 @@ class Run(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="runs")
     name = models.CharField(max_length=200)
     dataset = models.ForeignKey(Dataset, null=True, blank=True, on_delete=models.PROTECT, related_name="runs")
+    # A run names its data only through objects its owner may use: its dataset, and the run whose
+    # tokenizer it reuses. The launcher turns these into paths; a spec never carries one from a user.
+    tokenizer_run = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="tokenizer_reusers",
+        help_text="An earlier run of the same owner whose tokenizer this run reuses; empty: trained on the dataset.",
+    )  # fmt: skip
     spec = models.JSONField(help_text="A validated training.config.RunSpec as plain data.")
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED, db_index=True)
     status_reason = models.TextField(blank=True)
@@ -76,6 +82,11 @@ class Run(models.Model):
     def folder(self) -> Path:
         # The creation time keeps folders apart even where ids are reused (a database reset).
         return settings.RUNS_DIR / f"{self.pk}-{self.created_at:%Y%m%d-%H%M%S-%f}"
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """Where this run's ranks keep the tokenizer they trained or were given (training/train.py)."""
+        return self.folder / "data" / "tokenizer"
 
     @property
     def layout_label(self) -> str:
