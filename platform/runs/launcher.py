@@ -30,14 +30,18 @@ def _free_port() -> int:
 
 
 def prepare(run: Run) -> tuple[Path, str]:
-    """Writes spec.json with the dataset's path filled in; returns the folder and a fresh run token."""
+    """Writes spec.json with the data paths filled in; returns the folder and a fresh run token.
+
+    The paths come only from the objects the run names (its Dataset, the run whose tokenizer it
+    reuses), both its owner's own: whatever a stored spec says, a rank reads nothing else.
+    """
     folder = run.folder
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     # A resumed run starts in the folder its cancel was requested in: the request is spent.
     (folder / "cancel").unlink(missing_ok=True)
     spec = RunSpec.from_dict(run.spec)
-    if run.dataset is not None:
-        spec.data.dataset = run.dataset.path
+    spec.data.dataset = run.dataset.path if run.dataset is not None else ""
+    spec.data.tokenizer = str(run.tokenizer_run.tokenizer_dir) if run.tokenizer_run is not None else ""
     tmp = folder / "spec.json.tmp"
     tmp.write_text(spec.to_json())
     tmp.replace(folder / "spec.json")

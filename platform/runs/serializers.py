@@ -21,7 +21,9 @@ def raise_invalid(exc: services.InvalidInput) -> None:
 
 class DatasetSerializer(serializers.ModelSerializer):
     file = serializers.FileField(write_only=True, required=False, help_text="A .txt or .jsonl file.")
-    path = serializers.CharField(required=False, help_text="Or a file already under FATHOM_DATA_DIR.")
+    path = serializers.CharField(
+        required=False, help_text="Administrators only: a .txt or .jsonl file on the server, instead of an upload."
+    )
     name = serializers.CharField(required=False, allow_blank=True, max_length=200)
 
     class Meta:
@@ -30,12 +32,14 @@ class DatasetSerializer(serializers.ModelSerializer):
         read_only_fields = ["format", "size_bytes", "records", "sha256", "created_at"]
 
     def create(self, validated: dict[str, Any]) -> Dataset:
+        user = self.context["request"].user
         try:
             return services.do_create_dataset(
-                self.context["request"].user,
+                user,
                 validated.get("name", ""),
                 upload=validated.get("file"),
                 path=validated.get("path", ""),
+                by_administrator=user.is_staff,
             )
         except services.InvalidInput as exc:
             raise_invalid(exc)
@@ -53,14 +57,25 @@ class RunSerializer(serializers.ModelSerializer):
     spec = serializers.JSONField(
         default=dict, help_text="Overrides of the recipe: sections model, layout, train, nodes, faults."
     )
-    dataset = serializers.PrimaryKeyRelatedField(queryset=Dataset.objects.none(), required=False, allow_null=True)
+    dataset = serializers.PrimaryKeyRelatedField(
+        queryset=Dataset.objects.none(),
+        required=False,
+        allow_null=True,
+        help_text="One of your datasets (its id); empty: the built-in demo corpus.",
+    )
+    tokenizer_run = serializers.PrimaryKeyRelatedField(
+        queryset=Run.objects.none(),
+        required=False,
+        allow_null=True,
+        help_text="One of your earlier runs (its id) whose tokenizer this run reuses; empty: trained on the dataset.",
+    )
     layout = serializers.CharField(source="layout_label", read_only=True)
     total_steps = serializers.IntegerField(read_only=True)
 
     class Meta:
         model = Run
         fields = [
-            "id", "name", "recipe", "spec", "dataset", "status", "status_reason", "layout", "step",
+            "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
             "created_at", "started_at", "finished_at",
         ]
@@ -74,8 +89,9 @@ class RunSerializer(serializers.ModelSerializer):
         fields = super().get_fields()
         request = self.context.get("request")
         if request is not None and request.user.is_authenticated:
-            # Only the caller's own datasets can be chosen; another user's id reads as unknown.
+            # Only the caller's own datasets and runs can be chosen; another user's id reads as unknown.
             fields["dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
+            fields["tokenizer_run"].queryset = Run.objects.filter(owner=request.user)  # type: ignore[attr-defined]
         return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +103,17 @@ class RunSerializer(serializers.ModelSerializer):
 
     def create(self, validated: dict[str, Any]) -> Run:
         name = validated.get("name") or "run"
-        return services.do_create_run(self.context["request"].user, name, validated["run_spec"], validated.get("dataset"))
+        try:
+            return services.do_create_run(
+                self.context["request"].user,
+                name,
+                validated["run_spec"],
+                validated.get("dataset"),
+                validated.get("tokenizer_run"),
+            )
+        except services.InvalidInput as exc:
+            raise_invalid(exc)
+            raise
 
 
 class RunEventSerializer(serializers.ModelSerializer):

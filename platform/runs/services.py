@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import secrets
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -21,6 +22,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
+from tokenizers import Tokenizer
 
 from runs.models import Checkpoint, Dataset, Run, RunEvent
 from training.config import RECIPES, RunSpec, SpecError
@@ -55,11 +57,64 @@ def check_spec(spec: dict[str, Any], recipe: str = "tiny") -> RunSpec:
         raise InvalidInput("recipe", f"must be one of {', '.join(RECIPES)}; got {recipe!r}")
     if not isinstance(spec, dict):
         raise InvalidInput("spec", "must be an object with sections model, layout, train, nodes, faults")
+    _refuse_server_paths(spec)
     base = RECIPES[recipe]().to_dict()
     try:
         return RunSpec.from_dict(deep_merge(base, spec))
     except SpecError as exc:
         raise InvalidInput(f"spec.{exc.field}", exc.message) from None
+
+
+# What a user names instead of each path the ranks read: objects the control plane checks the
+# owner of, and turns into paths itself when it prepares the run folder (runs/launcher.py).
+_DATA_OBJECT_FOR_PATH = {
+    "dataset": 'choose one of your datasets with the run\'s "dataset" field (a dataset id)',
+    "tokenizer": 'reuse the tokenizer of one of your runs with the run\'s "tokenizer_run" field (a run id)',
+}
+
+
+def _refuse_server_paths(spec: dict[str, Any]) -> None:
+    data = spec.get("data")
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise InvalidInput("spec.data", "must be an object; a run names its data with the dataset and tokenizer_run fields")
+    for name, value in data.items():
+        if name in _DATA_OBJECT_FOR_PATH and value not in ("", None):
+            raise InvalidInput(
+                f"spec.data.{name}", f"server paths are not accepted; {_DATA_OBJECT_FOR_PATH[name]}"
+            )
+
+
+def check_run_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None) -> None:
+    """What can be known before launch about the data a run names: that the ranks can read it.
+
+    Ownership is checked where the ids are resolved (the serializer's querysets); this checks
+    that the objects still hold what a rank needs, so a missing file is a 400 now rather than a
+    failed run later.
+    """
+    if dataset is not None:
+        path = Path(dataset.path)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise InvalidInput("dataset", f"the file of dataset {dataset.pk} ({dataset.name}) is gone; upload it again") from None
+        if size == 0 or not os.access(path, os.R_OK):
+            raise InvalidInput("dataset", f"the file of dataset {dataset.pk} ({dataset.name}) is empty or unreadable")
+    if tokenizer_run is not None:
+        tokenizer_file = tokenizer_run.tokenizer_dir / "tokenizer.json"
+        try:
+            vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size()
+        except Exception:  # tokenizers raises its own exception types for a missing or broken file
+            raise InvalidInput(
+                "tokenizer_run", f"run {tokenizer_run.pk} has no tokenizer yet; choose a run that has started training"
+            ) from None
+        if vocab > spec.model.vocab_size:
+            raise InvalidInput(
+                "tokenizer_run",
+                f"the tokenizer of run {tokenizer_run.pk} has {vocab} tokens, more than "
+                f"spec.model.vocab_size={spec.model.vocab_size}; raise the vocabulary size to at least {vocab}",
+            )
 
 
 # --- Datasets -------------------------------------------------------------------------------
@@ -103,21 +158,29 @@ def dataset_format(filename: str) -> str:
 
 
 def check_dataset_path(raw: str) -> Path:
+    """A server file an administrator registers; relative paths are taken under the data dir."""
     path = Path(raw)
     if not path.is_absolute():
         path = settings.DATA_DIR / path
     path = path.resolve()
-    if not path.is_relative_to(settings.DATA_DIR):
-        raise InvalidInput("path", f"must be inside the data directory {settings.DATA_DIR}")
     if not path.is_file():
         raise InvalidInput("path", f"no file at {path}")
     return path
 
 
-def do_create_dataset(owner: Any, name: str, *, upload: Any = None, path: str = "") -> Dataset:
-    """Stores an uploaded file (or registers one under the data dir) after checking every line."""
+def do_create_dataset(
+    owner: Any, name: str, *, upload: Any = None, path: str = "", by_administrator: bool = False
+) -> Dataset:
+    """Stores an uploaded file (or registers a server file, for administrators) after checking every line.
+
+    Only an administrator (staff in the API, the operator at the server's CLI) may name a server
+    path: any other user could otherwise read, through a run, a file of the server or another
+    user's upload.
+    """
     if (upload is None) == (not path):
-        raise InvalidInput("file", "give either an uploaded file or a path under the data directory")
+        raise InvalidInput("file", "give either an uploaded file or (administrators only) a path on the server")
+    if path and not by_administrator:
+        raise InvalidInput("path", "only administrators may register a server file as a dataset; upload the file instead")
     if upload is not None:
         fmt = dataset_format(upload.name)
         if upload.size > settings.MAX_DATASET_BYTES:
@@ -156,9 +219,13 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def do_create_run(owner: Any, name: str, spec: RunSpec, dataset: Dataset | None) -> Run:
+def do_create_run(
+    owner: Any, name: str, spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None = None
+) -> Run:
+    """Queues a run. `dataset` and `tokenizer_run` must be the owner's own: callers resolve ids among them."""
+    check_run_data(spec, dataset, tokenizer_run)
     with transaction.atomic():
-        run = Run.objects.create(owner=owner, name=name, spec=spec.to_dict(), dataset=dataset)
+        run = Run.objects.create(owner=owner, name=name, spec=spec.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run)
         _record(run, "queued", {"status": Run.Status.QUEUED})
         transaction.on_commit(lambda: _enqueue_launch(run.pk))
     return run

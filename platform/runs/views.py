@@ -95,10 +95,14 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         """A new run from this one's spec, with the edits in the body merged over it."""
         source = self.get_object()
         edits: dict[str, Any] = request.data if isinstance(request.data, dict) else {}
+        # The source's data section holds only what the launcher filled in; the clone names its
+        # data through the same objects (or the edits' own), never through a stored path.
+        spec = {section: values for section, values in source.spec.items() if section != "data"}
         body: dict[str, Any] = {
             "name": edits.get("name") or f"{source.name} (clone)",
             "dataset": edits.get("dataset", source.dataset_id),
-            "spec": services.deep_merge(source.spec, edits.get("spec") or {}),
+            "tokenizer_run": edits.get("tokenizer_run", source.tokenizer_run_id),
+            "spec": services.deep_merge(spec, edits.get("spec") or {}),
         }
         serializer = RunSerializer(data=body, context={"request": request})
         serializer.is_valid(raise_exception=True)

@@ -9,6 +9,7 @@ const form = document.getElementById("launch-form");
 const recipes = pageData("recipes");
 const recipeSelect = document.getElementById("f-recipe");
 const datasetSelect = document.getElementById("f-dataset");
+const tokenizerSelect = document.getElementById("f-tokenizer-run");
 const fileInput = document.getElementById("f-file");
 const fileStatus = document.getElementById("f-file-status");
 const summary = document.getElementById("form-errors");
@@ -76,6 +77,12 @@ async function upload() {
 
 fileInput.addEventListener("change", () => upload().catch(() => {}));
 
+// A run has a tokenizer once its ranks prepared the data, so runs still waiting are not offered.
+async function loadTokenizerRuns() {
+  const runs = items(await api("/api/runs/?status=running,restarting,succeeded,failed,cancelled&limit=100"));
+  tokenizerSelect.append(...runs.map((r) => h("option", { value: r.id }, `run ${r.id} · ${r.name}`)));
+}
+
 // --- The body sent to the API -------------------------------------------------------------------
 
 function setPath(target, path, value) {
@@ -96,6 +103,7 @@ function readForm() {
   const name = form.elements.namedItem("name").value.trim();
   if (name) body.name = name;
   body.dataset = datasetSelect.value ? Number(datasetSelect.value) : null;
+  if (tokenizerSelect.value) body.tokenizer_run = Number(tokenizerSelect.value);
   const faultChosen = form.elements.namedItem("spec.faults.0.kind").value !== "";
   for (const input of specInputs) {
     if (input.name.startsWith("spec.faults.") && !faultChosen) continue;
@@ -241,3 +249,4 @@ for (const input of form.querySelectorAll("input, select")) {
 }
 showRecipeDefaults();
 loadDatasets().catch((exc) => showErrors({ dataset: [`could not list datasets: ${exc.message}`] }));
+loadTokenizerRuns().catch((exc) => showErrors({ tokenizer_run: [`could not list runs: ${exc.message}`] }));

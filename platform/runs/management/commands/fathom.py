@@ -32,7 +32,7 @@ class Command(BaseCommand):
         create = runs.add_parser("create", help="queue a run from a spec file")
         create.add_argument("--spec", type=Path, required=True, help="JSON: sections model, layout, train, nodes, faults")
         create.add_argument("--recipe", default="tiny")
-        create.add_argument("--dataset", default="", help="a dataset id, or a .txt/.jsonl file under the data dir")
+        create.add_argument("--dataset", default="", help="a dataset id, or a .txt/.jsonl file on the server")
         create.add_argument("--name", default="")
         create.add_argument("--user", default="admin", help="the run's owner")
         create.add_argument("--watch", action="store_true", help="follow the run until it finishes")
@@ -76,7 +76,7 @@ class Command(BaseCommand):
             if chosen is None:
                 raise CommandError(f"--dataset: {user} has no dataset {dataset}")
         elif dataset:
-            chosen = services.do_create_dataset(owner, Path(dataset).name, path=dataset)
+            chosen = services.do_create_dataset(owner, Path(dataset).name, path=dataset, by_administrator=True)
         run_spec = services.check_spec(overrides, recipe)
         return services.do_create_run(owner, name or spec.stem, run_spec, chosen)
 
