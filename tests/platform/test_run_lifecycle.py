@@ -195,3 +195,24 @@ def test_a_cancelled_run_keeps_its_checkpoint_and_resumes_from_it(alice, live_we
     assert list(resumed)[-1] >= kept[-1]  # it went on from a checkpoint, not from scratch
     steps = list(run.events.filter(kind="metrics").values_list("data__step", flat=True))
     assert steps[-1] == 40 and set(range(1, 41)) <= set(steps)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_trains_with_the_tokenizer_of_an_earlier_run_of_its_owner(alice, live_web, celery_worker):
+    client = api(live_web, alice)
+    dataset = client.post("/api/datasets/", files={"file": ("stories.txt", STORY.encode())}).json()
+    spec = {"train": {"steps": 2, "warmup_steps": 1, "checkpoint_interval": 2}}
+    first = client.post("/api/runs/", json={"name": "first", "dataset": dataset["id"], "spec": spec}).json()
+    wait_until(lambda: Run.objects.get(pk=first["id"]).status == "succeeded", 300, "the first run")
+
+    # The second run trains on the demo corpus, so a tokenizer of its own would differ.
+    created = client.post("/api/runs/", json={"name": "second", "tokenizer_run": first["id"], "spec": spec})
+    assert created.status_code == 201, created.text
+    second = created.json()
+    wait_until(lambda: Run.objects.get(pk=second["id"]).status == "succeeded", 300, "the second run")
+
+    given = (Run.objects.get(pk=first["id"]).tokenizer_dir / "tokenizer.json").read_bytes()
+    used = (Run.objects.get(pk=second["id"]).tokenizer_dir / "tokenizer.json").read_bytes()
+    assert used == given
+    written = json.loads((run_folder(second["id"]) / "spec.json").read_text())["data"]
+    assert written == {"dataset": "", "tokenizer": str(Run.objects.get(pk=first["id"]).tokenizer_dir)}
