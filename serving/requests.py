@@ -182,8 +182,8 @@ def check_request(path: str, body: Any, models: dict[str, ServedModel]) -> Serve
         tokens, param = _prompt_tokens(body, endpoint, model.counter)
         if tokens >= model.max_model_len:
             raise invalid_request(
-                f"This model's maximum context length is {model.max_model_len} tokens; the {param} "
-                f"holds {tokens} tokens, which leaves no room for a completion.",
+                f"This model's maximum context length is {model.max_model_len} tokens; the prompt "
+                f"({param}) is {tokens} tokens long, which leaves no room for a completion.",
                 param,
                 "context_length_exceeded",
             )

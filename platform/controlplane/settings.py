@@ -184,6 +184,13 @@ PUBLIC_URL = env_str("FATHOM_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/")
 # A run whose agent sent nothing for this long is declared lost by the reconcile task. Agents
 # report at least every few seconds (heartbeat summaries), so a minute is far above normal gaps.
 AGENT_SILENCE_TIMEOUT_SECONDS = env_float("FATHOM_AGENT_SILENCE_TIMEOUT", 60.0)
+# A node agent that has not posted for this long is shown as "silent" on its run's page (it
+# keeps its run; AGENT_SILENCE_TIMEOUT_SECONDS decides failure). Agents post at least every
+# 5 s (an empty batch when idle), so 15 s is three missed posts.
+NODE_SILENT_SECONDS = env_float("FATHOM_NODE_SILENT_AFTER", 15.0)
+# How often node agents' last posts are checked against NODE_SILENT_SECONDS.
+NODE_WATCH_SECONDS = env_float("FATHOM_NODE_WATCH_INTERVAL", 5.0)
+CELERY_BEAT_SCHEDULE["watch-node-reports"] = {"task": "runs.tasks.watch_node_reports", "schedule": NODE_WATCH_SECONDS}
 MAX_DATASET_BYTES = env_int("FATHOM_MAX_DATASET_BYTES", 512 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("FATHOM_MAX_REQUEST_BYTES", 16 * 1024 * 1024)
 FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024

@@ -59,6 +59,8 @@ def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
         # A deployment's context defaults to what the model was trained on (its export's
         # max_position_embeddings); vLLM's own default may exceed it and be refused.
         "seq_len": int(run.spec.get("model", {}).get("seq_len", 0)) or None,
+        "name": run.name,
+        "keep_checkpoints": int(run.spec.get("train", {}).get("keep_checkpoints", 0)) or None,
     }
     return render(request, "dashboard/run.html", {"run": run, "run_page": run_page})
 

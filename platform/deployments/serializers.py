@@ -24,9 +24,9 @@ class DeploymentSerializer(serializers.ModelSerializer):
         model = Deployment
         fields = [
             "id", "name", "checkpoint", "served_model_name", "replicas", "options", "status", "status_reason",
-            "replica_set", "created_at",
+            "replica_set", "last_seq", "created_at",
         ]
-        read_only_fields = ["status", "status_reason", "created_at"]
+        read_only_fields = ["status", "status_reason", "last_seq", "created_at"]
         extra_kwargs = {"name": {"required": False}, "served_model_name": {"required": False}}
 
     def get_fields(self) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections import deque
+from pathlib import Path
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -28,11 +30,28 @@ def check_served_model_name(name: str) -> str:
     return name
 
 
+def check_checkpoint(checkpoint: Checkpoint) -> None:
+    """A checkpoint can be deployed while its folder is there or its export is."""
+    if checkpoint.export_path and (Path(checkpoint.export_path) / "config.json").exists():
+        return
+    if checkpoint.pruned_at is None and Path(checkpoint.path).exists():
+        return
+    kept = list(
+        Checkpoint.objects.filter(run_id=checkpoint.run_id, pruned_at__isnull=True).exclude(pk=checkpoint.pk).values_list("step", flat=True)
+    )
+    raise InvalidInput(
+        "checkpoint",
+        f"the checkpoint of step {checkpoint.step} was deleted by the trainer (train.keep_checkpoints) and was never "
+        f"exported; choose a kept one (steps {', '.join(map(str, kept)) or 'none'})",
+    )
+
+
 def do_create_deployment(
     owner: Any, checkpoint: Checkpoint, *, name: str, served_model_name: str, replicas: int, options: dict[str, Any]
 ) -> Deployment:
     from deployments.supervision import check_options
 
+    check_checkpoint(checkpoint)
     served = check_served_model_name(served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-"))
     check_options(options, checkpoint.export_path)
     with transaction.atomic():
@@ -82,6 +101,15 @@ def do_record(deployment: Deployment, kind: str, data: dict[str, Any]) -> Deploy
         message = event.as_message()
         transaction.on_commit(lambda: publish(deployment.pk, [message]))
     return event
+
+
+def log_tail(deployment: Deployment, replica: int, lines: int) -> list[str]:
+    """The last `lines` of a replica's log, which the supervisor writes in the deployment folder."""
+    path = deployment.folder / "logs" / f"replica-{replica}.log"
+    if not path.exists():
+        return []
+    with path.open("r", errors="replace") as f:
+        return [line.rstrip("\n") for line in deque(f, maxlen=lines)]
 
 
 def publish(deployment_id: int, messages: list[dict[str, Any]]) -> None:

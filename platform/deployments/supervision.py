@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from deployments import services
 from deployments.models import Deployment, Replica
@@ -101,37 +102,72 @@ def stop(deployment: Deployment, timeout: float = 120.0) -> None:
 
 
 def sync(deployment: Deployment) -> None:
-    """Stores new replica events, mirrors replica state, scrapes metrics, moves the status."""
+    """Mirrors replica state, moves the status, stores new replica events, scrapes metrics.
+
+    Rows change before the events that announce them are stored, in one transaction: events are
+    published after it commits, so a page that reads the deployment on an event sees the state
+    the event describes."""
     offset_file = deployment.folder / "events.offset"
     offset = int(offset_file.read_text()) if offset_file.exists() else 0
     events, new_offset = read_events(deployment.folder, offset)
-    for event in events:
-        services.do_record(deployment, event.kind, {k: v for k, v in event.to_dict().items() if k not in ("kind", "at")})
+    state = read_state(deployment.folder)
+    ready: list[Any] = []
+    with transaction.atomic():
+        if state is not None:
+            mirror_replicas(deployment, state.replicas)
+            ready = [r for r in state.replicas if r.phase == "ready" and r.url]
+        for event in events:
+            services.do_record(deployment, event.kind, {k: v for k, v in event.to_dict().items() if k not in ("kind", "at")})
+        if state is not None and not state.stopping:
+            new_status = (
+                Deployment.Status.READY if len(ready) == len(state.replicas)
+                else Deployment.Status.DEGRADED if ready and deployment.status != Deployment.Status.STARTING
+                else None
+            )
+            if new_status and Deployment.objects.filter(
+                pk=deployment.pk, status__in=[Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
+            ).exclude(status=new_status).update(status=new_status):
+                services.do_record(deployment, "status", {"status": new_status, "ready": len(ready), "replicas": len(state.replicas)})
     if new_offset != offset:
         offset_file.write_text(str(new_offset))
-    state = read_state(deployment.folder)
-    if state is None:
-        return
-    for replica in state.replicas:
-        status = {"ready": Replica.Status.READY, "stopped": Replica.Status.STOPPED}.get(replica.phase, Replica.Status.STARTING)
-        if replica.last_exit_code is not None and replica.phase in ("restarting", "starting"):
-            status = Replica.Status.DEAD if replica.phase == "restarting" else status
-        Replica.objects.filter(deployment=deployment, index=replica.index).update(
-            url=replica.url or "", pid=replica.pid, status=status, restarts=replica.restarts
-        )
-    ready = [r for r in state.replicas if r.phase == "ready" and r.url]
-    if not state.stopping:
-        new_status = (
-            Deployment.Status.READY if len(ready) == len(state.replicas)
-            else Deployment.Status.DEGRADED if ready and deployment.status != Deployment.Status.STARTING
-            else None
-        )
-        if new_status and Deployment.objects.filter(
-            pk=deployment.pk, status__in=[Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
-        ).exclude(status=new_status).update(status=new_status):
-            services.do_record(deployment, "status", {"status": new_status, "ready": len(ready), "replicas": len(state.replicas)})
     if ready:
         services.do_record(deployment, "metrics", scrape(deployment.folder, [r.url for r in ready if r.url]))
+
+
+def replica_status(phase: str, last_exit_code: int | None) -> str:
+    if phase == "ready":
+        return Replica.Status.READY
+    if phase == "stopped":
+        return Replica.Status.STOPPED
+    if phase == "restarting" and last_exit_code is not None:
+        return Replica.Status.DEAD
+    return Replica.Status.STARTING
+
+
+def mirror_replicas(deployment: Deployment, replicas: Any) -> None:
+    """Copies the supervisor's view of each replica into its row; `updated_at` moves only when
+    something changed, so the page's "since" is when the replica reached its state."""
+    rows = {r.index: r for r in Replica.objects.filter(deployment=deployment)}
+    now = timezone.now()
+    for replica in replicas:
+        row = rows.get(replica.index)
+        if row is None:
+            continue
+        fields = {
+            "url": replica.url or "",
+            "pid": replica.pid,
+            "status": replica_status(replica.phase, replica.last_exit_code),
+            "restarts": replica.restarts,
+        }
+        if any(getattr(row, name) != value for name, value in fields.items()):
+            Replica.objects.filter(pk=row.pk).update(**fields, updated_at=now)
+
+
+def mark_stopped(deployment: Deployment) -> None:
+    """After the supervisor exited nothing of the deployment runs: every replica is stopped."""
+    Replica.objects.filter(deployment=deployment).exclude(status=Replica.Status.STOPPED).update(
+        status=Replica.Status.STOPPED, updated_at=timezone.now()
+    )
 
 
 def scrape(folder: Path, urls: list[str]) -> dict[str, Any]:

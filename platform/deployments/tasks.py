@@ -36,6 +36,9 @@ def stop_deployment(deployment_id: int) -> str:
     from deployments import supervision
 
     supervision.stop(deployment)
+    # The supervisor's last events and states (replicas stopped), then what its exit implies.
+    supervision.sync(deployment)
+    supervision.mark_stopped(deployment)
     Deployment.objects.filter(pk=deployment_id, status=Deployment.Status.STOPPING).update(status=Deployment.Status.STOPPED)
     services.do_record(deployment, "stopped", {})
     return "stopped"

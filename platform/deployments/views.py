@@ -16,6 +16,17 @@ from runs.serializers import raise_invalid
 from runs.services import InvalidInput
 from runs.views import events_after_response, owned
 
+# Lines of a replica's log the start-up panel shows: the last screenful of vLLM's progress.
+LOG_LINES_DEFAULT = 40
+LOG_LINES_MAX = 2000
+
+
+class ReplicaLogQuery(serializers.Serializer):
+    replica = serializers.IntegerField(min_value=0, default=0, help_text="Replica index (default 0).")
+    lines = serializers.IntegerField(
+        min_value=1, max_value=LOG_LINES_MAX, default=LOG_LINES_DEFAULT, help_text="Lines from the end."
+    )
+
 
 class DeploymentViewSet(
     mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
@@ -57,6 +68,21 @@ class DeploymentViewSet(
     @action(detail=True, methods=["get"])
     def events(self, request: Request, pk: str) -> Response:
         return events_after_response(request, self.get_object().events.all(), DeploymentEventSerializer)
+
+    @extend_schema(
+        parameters=[ReplicaLogQuery],
+        responses=inline_serializer(
+            "ReplicaLogTail", {"replica": serializers.IntegerField(), "lines": serializers.ListField(child=serializers.CharField())}
+        ),
+    )
+    @action(detail=True, methods=["get"])
+    def logs(self, request: Request, pk: str) -> Response:
+        """The end of a replica's log (vLLM's own output): what a starting replica is doing."""
+        deployment = self.get_object()
+        query = ReplicaLogQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        replica, lines = query.validated_data["replica"], query.validated_data["lines"]
+        return Response({"replica": replica, "lines": services.log_tail(deployment, replica, lines)})
 
     @extend_schema(
         methods=["post"],

@@ -67,6 +67,10 @@ class Run(models.Model):
     token_hash = models.CharField(max_length=64, blank=True)
     agent_pids = models.JSONField(default=list, blank=True)
     last_report_at = models.DateTimeField(null=True, blank=True)
+    # Each node agent's last post ({"node-0": epoch seconds}) and the ones judged silent: the run
+    # page says "node-1 silent" from events, and these let the control plane decide them.
+    node_reports = models.JSONField(default=dict, blank=True)
+    silent_nodes = models.JSONField(default=list, blank=True)
     launch_attempts = models.IntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -134,6 +138,9 @@ class Checkpoint(models.Model):
     path = models.CharField(max_length=1000)
     export_path = models.CharField(max_length=1000, blank=True, help_text="Hugging Face export, once made.")
     created_at = models.DateTimeField(auto_now_add=True)
+    # Set once the trainer pruned the folder (train.keep_checkpoints): the row stays as history,
+    # and only its export, if one was made, can still be deployed.
+    pruned_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["run", "step"]

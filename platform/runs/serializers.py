@@ -125,7 +125,7 @@ class RunEventSerializer(serializers.ModelSerializer):
 class CheckpointSerializer(serializers.ModelSerializer):
     class Meta:
         model = Checkpoint
-        fields = ["id", "run", "step", "path", "export_path", "created_at"]
+        fields = ["id", "run", "step", "path", "export_path", "created_at", "pruned_at"]
 
 
 class IngestEventSerializer(serializers.Serializer):

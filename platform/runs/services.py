@@ -336,13 +336,16 @@ def _next_seqs(run: Run, count: int) -> int:
     return last - count + 1
 
 
-def _record(run: Run, kind: str, data: dict[str, Any]) -> RunEvent:
-    """Records an event of the control plane itself; call inside a transaction."""
+def _record(run: Run, kind: str, data: dict[str, Any], *, publish: bool = True) -> RunEvent:
+    """Records an event of the control plane itself; call inside a transaction.
+
+    `publish=False`: the caller publishes it with the batch it belongs to, in seq order."""
     seq = _next_seqs(run, 1)
     event = RunEvent.objects.create(
         run=run, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=timezone.now(), data=data
     )
-    transaction.on_commit(lambda: publish_run_events(run.pk, [event.as_message()]))
+    if publish:
+        transaction.on_commit(lambda: publish_run_events(run.pk, [event.as_message()]))
     return event
 
 
@@ -381,7 +384,8 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
                 )
                 for i, e in enumerate(unique)
             )
-            _apply(run, stored)
+            stored += _apply(run, stored)
+        stored += _note_report(run, source)
         last = (
             RunEvent.objects.filter(run=run, source=source).order_by("-source_seq").values_list("source_seq", flat=True).first()
         )
@@ -391,8 +395,11 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
     return int(last or 0)
 
 
-def _apply(run: Run, events: list[RunEvent]) -> None:
+def _apply(run: Run, events: list[RunEvent]) -> list[RunEvent]:
+    """Applies an agent's events to the run's row; returns the control plane's own events that
+    follow from them (a status change, pruned checkpoints), for the caller to publish in order."""
     changes: dict[str, Any] = {"last_report_at": timezone.now()}
+    consequences: list[RunEvent] = []
     status = None
     restarts = 0
     for event in events:
@@ -419,7 +426,64 @@ def _apply(run: Run, events: list[RunEvent]) -> None:
         extra: dict[str, Any] = {"finished_at": now} if status in Run.FINISHED else {}
         if status == Run.Status.RUNNING and run.started_at is None:
             extra["started_at"] = now
-        Run.objects.filter(pk=run.pk, status__in=_MOVES_FROM[status]).update(status=status, **extra)
+        if Run.objects.filter(pk=run.pk, status__in=_MOVES_FROM[status]).update(status=status, **extra):
+            # Every status change is an event, so a page that follows the events shows it.
+            reason = changes.get("status_reason", "")
+            consequences.append(_record(run, "status", {"status": status, "reason": reason}, publish=False))
+    if any(e.kind == "checkpoint" for e in events) or status in Run.FINISHED:
+        consequences += _mark_pruned(run)
+    return consequences
+
+
+def _mark_pruned(run: Run) -> list[RunEvent]:
+    """Marks the run's checkpoints whose folders the trainer deleted (`train.keep_checkpoints`).
+
+    Rank 0 prunes before it reports the checkpoint that replaced them, so checking when a
+    checkpoint event arrives (and when the run ends) catches every pruning."""
+    pruned: list[RunEvent] = []
+    for checkpoint in Checkpoint.objects.filter(run=run, pruned_at__isnull=True):
+        if Path(checkpoint.path).exists():
+            continue
+        if Checkpoint.objects.filter(pk=checkpoint.pk, pruned_at__isnull=True).update(pruned_at=timezone.now()):
+            data = {"step": checkpoint.step, "exported": bool(checkpoint.export_path)}
+            pruned.append(_record(run, "checkpoint_pruned", data, publish=False))
+    return pruned
+
+
+def _note_report(run: Run, source: str) -> list[RunEvent]:
+    """Keeps when each node agent last posted; a silent one that posts again is reported back."""
+    if not source.startswith("node-"):
+        return []
+    reports, silent = Run.objects.select_for_update().values_list("node_reports", "silent_nodes").get(pk=run.pk)
+    now = timezone.now().timestamp()
+    quiet = now - float(reports.get(source, now))
+    changes: dict[str, Any] = {"node_reports": {**reports, source: now}}
+    back: list[RunEvent] = []
+    if source in silent:
+        changes["silent_nodes"] = [s for s in silent if s != source]
+        back.append(_record(run, "node_reporting", {"node": source, "silent_s": round(quiet, 1)}, publish=False))
+    Run.objects.filter(pk=run.pk).update(**changes)
+    return back
+
+
+def do_mark_silent_nodes(run: Run, silent_after: float) -> list[str]:
+    """Records `node_silent` for each node agent of an active run that has not posted for
+    `silent_after` seconds; returns them. `_note_report` clears them when they post again."""
+    now = timezone.now().timestamp()
+    with transaction.atomic():
+        row = Run.objects.select_for_update().filter(pk=run.pk, status__in=Run.ACTIVE).values("node_reports", "silent_nodes").first()
+        if row is None:
+            return []
+        newly = [
+            source for source, at in sorted(row["node_reports"].items())
+            if now - float(at) > silent_after and source not in row["silent_nodes"]
+        ]
+        if newly:
+            Run.objects.filter(pk=run.pk).update(silent_nodes=[*row["silent_nodes"], *newly])
+            for source in newly:
+                quiet = now - float(row["node_reports"][source])
+                _record(run, "node_silent", {"node": source, "silent_s": round(quiet, 1), "threshold_s": silent_after})
+    return newly
 
 
 def publish_run_events(run_id: int, messages: list[dict[str, Any]]) -> None:

@@ -27,7 +27,9 @@ def launch_run(run_id: int) -> str:
         status=Run.Status.STARTING, launch_attempts=F("launch_attempts") + 1, last_report_at=timezone.now()
     )
     run = Run.objects.get(pk=run_id)
-    if not claimed:
+    if claimed:
+        services.do_record_event(run, "status", {"status": Run.Status.STARTING, "reason": ""})
+    else:
         # Redelivered (or re-sent by reconcile) after a worker died mid-launch: finish that
         # launch unless an agent runs. Agents take a per-node lock, so a race starts none twice.
         if run.status != Run.Status.STARTING or launcher.agents_alive(run):
@@ -79,6 +81,15 @@ def reconcile_runs() -> int:
             launcher.request_cancel(run)  # stop whatever is left, so no orphan keeps training
             failed += 1
     return failed
+
+
+@shared_task
+def watch_node_reports() -> int:
+    """Marks node agents of active runs that stopped posting as silent; returns how many."""
+    silent = 0
+    for run in Run.objects.filter(status__in=Run.ACTIVE).exclude(node_reports={}):
+        silent += len(services.do_mark_silent_nodes(run, settings.NODE_SILENT_SECONDS))
+    return silent
 
 
 @shared_task

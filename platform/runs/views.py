@@ -109,6 +109,27 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         run = serializer.save()
         return Response(RunSerializer(run, context={"request": request}).data, status=status.HTTP_201_CREATED)
 
+    @extend_schema(
+        request=RunSerializer,
+        responses={
+            200: inline_serializer("CheckedSpec", {"spec": serializers.DictField()}),
+        },
+    )
+    @action(detail=False, methods=["post"])
+    def check(self, request: Request) -> Response:
+        """Validates a run body as launching it would, without launching: the resolved spec, or
+        the same 400 naming each field. The launch form's layout check starts here."""
+        serializer = RunSerializer(data=request.data, context={"request": request})
+        serializer.is_valid(raise_exception=True)
+        checked = serializer.validated_data
+        try:
+            services.check_run_data(checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"))
+        except services.InvalidInput as exc:
+            raise_invalid(exc)
+        return Response({"spec": checked["run_spec"].to_dict()})
+
+    # A run keeps a handful of checkpoints (train.keep_checkpoints prunes the rest), so they come
+    # as one list, not in pages.
     @extend_schema(responses=CheckpointSerializer(many=True))
     @action(detail=True, methods=["get"])
     def checkpoints(self, request: Request, pk: str) -> Response:

@@ -109,6 +109,11 @@ def test_cancel_resume_and_clone_act_on_the_run_and_the_buttons_follow_its_statu
     expect(cancel).to_be_visible()
     expect(resume).to_be_hidden()
 
+    page.once("dialog", lambda dialog: dialog.dismiss())  # asked first; "no" leaves the run alone
+    cancel.click()
+    expect(cancel).to_be_enabled()
+    assert off_loop(lambda: Run.objects.get(pk=run.pk).cancel_requested) is False
+    page.once("dialog", lambda dialog: dialog.accept())
     cancel.click()
     expect(page.locator('#timeline li[data-kind="cancel_requested"]')).to_be_visible()
     expect(cancel).to_be_hidden()  # asked once; the agent answers with "cancelled"
@@ -126,7 +131,8 @@ def test_cancel_resume_and_clone_act_on_the_run_and_the_buttons_follow_its_statu
     expect(resume).to_be_hidden()
     expect(cancel).to_be_visible()
 
-    page.get_by_role("button", name="Clone").click()
+    page.get_by_role("link", name="Clone…").click()  # the launch form, filled in from the run
+    page.get_by_role("button", name="Launch run").click()
     expect(page.get_by_role("heading", name="steered (clone)")).to_be_visible()
     clone = off_loop(lambda: Run.objects.get(name="steered (clone)"))
     assert page.url == f"{live_web.url}/runs/{clone.pk}"

@@ -141,13 +141,16 @@ def test_ingest_stores_a_redelivered_batch_once_and_keeps_seq_gapless(client, al
     assert ingest(client, run_id, token, batch[1:] + [{"seq": 4, "kind": "metrics", "data": {"step": 4, "loss": 4.5}}]).json() == {"last_seq": 4}
     assert ingest(client, run_id, token, [{"seq": 1, "kind": "agent_started"}], source="node-1").json() == {"last_seq": 1}
     history = alice_api.get(f"/api/runs/{run_id}/events/").json()
-    assert [e["seq"] for e in history] == list(range(1, 7))  # queued + 4 metrics + node-1's event
+    # queued, 3 metrics, the control plane's "status: running", the 4th metrics, node-1's event
+    assert [e["seq"] for e in history] == list(range(1, 8))
+    assert [e["kind"] for e in history] == ["queued", "metrics", "metrics", "metrics", "status", "metrics", "agent_started"]
+    assert history[4]["data"]["status"] == "running"
     assert [e["data"].get("step") for e in history if e["kind"] == "metrics"] == [1, 2, 3, 4]
     run = alice_api.get(f"/api/runs/{run_id}/").json()
     assert run["status"] == "running"
     assert run["step"] == 4
     assert run["last_loss"] == 4.5
-    assert [e["seq"] for e in alice_api.get(f"/api/runs/{run_id}/events/?after=4").json()] == [5, 6]
+    assert [e["seq"] for e in alice_api.get(f"/api/runs/{run_id}/events/?after=4").json()] == [5, 6, 7]
 
 
 def test_ingest_moves_status_records_checkpoints_and_never_reopens_a_finished_run(client, alice_api):

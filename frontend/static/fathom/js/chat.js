@@ -58,7 +58,7 @@ async function errorBody(response) {
   try {
     const data = JSON.parse(text);
     // OpenAI's shape, {"error": {"message": ...}}, read as the API's {"detail": ...}.
-    if (data?.error?.message) return { detail: data.error.message };
+    if (data?.error?.message) return { detail: data.error.message, code: data.error.code ?? null };
     return data;
   } catch {
     return text;

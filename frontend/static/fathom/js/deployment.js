@@ -4,36 +4,94 @@
 import { api, items } from "./api.js";
 import { streamChat } from "./chat.js";
 import { LineChart } from "./chart.js";
-import { ago, clockTime, h, pageData } from "./dom.js";
+import { ago, clockTime, every, h, pageData } from "./dom.js";
 import { LiveEvents } from "./live.js";
 
 const deployment = pageData("deployment-data");
 const $ = (id) => document.getElementById(id);
 const ACTIVE = new Set(["pending", "starting", "ready", "degraded"]);
+const SERVING = new Set(["ready", "degraded"]);
+const STARTING = new Set(["pending", "starting"]);
+// How often a starting replica's log is read for the start-up panel.
+const STARTUP_LOG_MS = 2000;
 
-// --- Replicas ----------------------------------------------------------------------------------
+// --- Status and replicas: from the deployment's row, then moved by its events -----------------
+
+let status = deployment.status;
+let statusSeq = 0; // the seq of the last event that set `status`
+let createdAt = null;
+let replicaCount = 0;
+const replicas = new Map(); // index → {index, status, url, restarts, updated_at}
+// A supervisor event → the replica state it leaves behind (as the control plane mirrors it).
+const REPLICA_STATE = {
+  replica_starting: "starting",
+  replica_restarting: "dead",
+  replica_died: "dead",
+  replica_ready: "ready",
+  replica_stopped: "stopped",
+};
+
+function showStatus(next) {
+  status = next;
+  const badge = $("deployment-status");
+  badge.textContent = status;
+  badge.className = `badge status-${status}`;
+  badge.dataset.status = status;
+  $("stop-deployment").hidden = !ACTIVE.has(status);
+  // The playground talks to the replicas: only while some serve.
+  $("chat-send").disabled = !SERVING.has(status) || controller !== null;
+  $("chat-input").disabled = !SERVING.has(status);
+  $("chat-closed").hidden = SERVING.has(status) || STARTING.has(status);
+  $("startup").hidden = !STARTING.has(status);
+  $("live-state").dataset.finished = String(!ACTIVE.has(status) && status !== "stopping");
+  showLiveState($("live-state").dataset.state);
+}
 
 function showDeployment(row) {
-  const badge = $("deployment-status");
-  badge.textContent = row.status;
-  badge.className = `badge status-${row.status}`;
-  badge.dataset.status = row.status;
+  createdAt = Date.parse(row.created_at);
+  replicaCount = row.replicas;
+  if (row.last_seq == null || row.last_seq >= statusSeq) showStatus(row.status);
   $("deployment-reason").textContent = row.status_reason;
   $("deployment-reason").hidden = !row.status_reason;
-  $("stop-deployment").hidden = !ACTIVE.has(row.status);
-  const replicas = row.replica_set ?? [];
+  for (const r of row.replica_set ?? []) replicas.set(r.index, { ...r });
+  renderReplicas();
+}
+
+function renderReplicas() {
+  const shown = replicas.size ? [...replicas.values()] : Array.from({ length: replicaCount }, (_, index) => ({ index, status: "pending" }));
   $("replica-grid").replaceChildren(
-    ...(replicas.length ? replicas : Array.from({ length: row.replicas }, (_, index) => ({ index, status: "pending" }))).map((r) =>
+    ...shown.sort((a, b) => a.index - b.index).map((r) =>
       h(
         "li",
         { class: `rank replica-${r.status}`, dataset: { replica: r.index, state: r.status } },
         h("div", { class: "rank-head" }, h("strong", {}, `Replica ${r.index}`), h("span", { class: "rank-state" }, r.status)),
-        h("div", { class: "muted path" }, r.url || "no address yet"),
+        h("div", { class: "muted path" }, r.status === "stopped" ? "" : r.url || "no address yet"),
         h("div", {}, `${r.restarts ?? 0} restart${r.restarts === 1 ? "" : "s"}`),
-        r.updated_at ? h("div", { class: "muted" }, `updated ${ago(r.updated_at)}`) : null,
+        r.updated_at ? h("div", { class: "muted" }, `${r.status} since `, h("time", { datetime: r.updated_at, dataset: { ago: "" } }, ago(r.updated_at))) : null,
       ),
     ),
   );
+}
+
+/** Applies one deployment event to the status and the replica cards; returns whether any changed. */
+function applyEvent(e) {
+  if (e.kind === "status" && e.status && e.seq > statusSeq) {
+    statusSeq = e.seq;
+    showStatus(e.status);
+  } else if ((e.kind === "stopping" || e.kind === "stopped" || e.kind === "failed") && e.seq > statusSeq) {
+    statusSeq = e.seq;
+    showStatus(e.kind);
+    if (e.kind === "stopped") for (const r of replicas.values()) Object.assign(r, { status: "stopped", updated_at: new Date(e.time * 1000).toISOString() });
+    return true;
+  }
+  const state = REPLICA_STATE[e.kind];
+  if (state && e.replica != null) {
+    const r = replicas.get(e.replica) ?? { index: e.replica, restarts: 0, url: "" };
+    if (e.kind === "replica_restarting") r.restarts = (r.restarts ?? 0) + 1;
+    replicas.set(e.replica, { ...r, status: state, updated_at: new Date(e.time * 1000).toISOString() });
+    return true;
+  }
+  return false;
 }
 
 let refreshTimer = null;
@@ -51,6 +109,7 @@ async function refresh() {
 }
 
 $("stop-deployment").addEventListener("click", async (event) => {
+  if (!confirm(`Stop deployment "${$("served-model").textContent}"? Its replicas stop and its /v1 model goes away.`)) return;
   event.target.disabled = true;
   try {
     showDeployment(await api(`/api/deployments/${deployment.id}/stop/`, { method: "POST", json: {} }));
@@ -128,12 +187,14 @@ function describe(e) {
 function onEvents(events) {
   const timeline = $("timeline");
   let changed = false;
+  let replicasChanged = false;
   for (const e of events) {
     if (e.kind === "metrics") {
       onMetrics(e);
       continue;
     }
     changed = true;
+    replicasChanged = applyEvent(e) || replicasChanged;
     const bad = e.kind === "replica_died" || e.kind === "failed";
     timeline.prepend(
       h(
@@ -144,8 +205,56 @@ function onEvents(events) {
       ),
     );
   }
+  if (replicasChanged) renderReplicas();
   if (changed) refreshSoon();
 }
+
+// --- Start-up: elapsed time, the replica's phase as vLLM logs it, and its log's last lines ---------
+
+// vLLM's start-up, in the order it logs it; the latest line that matches names the phase.
+const PHASES = [
+  ["serving", /Application startup complete|Uvicorn running|Starting vLLM API server|Available routes/i, "starting the HTTP server"],
+  ["compiling", /torch\.compile|Compiling a graph|compil|graph captur|Capturing (CUDA )?graphs|warm(ing)? ?up/i, "compiling and capturing graphs"],
+  ["kv-cache", /KV cache|num_gpu_blocks|# (CPU|GPU) blocks|Maximum concurrency/i, "sizing the KV cache"],
+  ["weights", /Loading (model )?weights|safetensors|Model loading took|load_model/i, "loading weights"],
+  ["engine", /Initializing|init engine|detected platform|Resolved architecture|non-default args/i, "initialising the engine"],
+];
+
+export function startupPhase(lines) {
+  for (let i = lines.length - 1; i >= 0; i--) {
+    for (const [key, pattern, text] of PHASES) if (pattern.test(lines[i])) return [key, text];
+  }
+  return ["launching", "launching vllm serve"];
+}
+
+function formatElapsed(seconds) {
+  const s = Math.max(0, Math.floor(seconds));
+  return s < 60 ? `${s} s` : `${Math.floor(s / 60)} min ${s % 60} s`;
+}
+
+async function refreshStartup() {
+  if (!STARTING.has(status)) return;
+  // The first replica not yet ready is the one to watch.
+  const waiting = [...replicas.values()].sort((a, b) => a.index - b.index).find((r) => r.status !== "ready");
+  const index = waiting?.index ?? 0;
+  const { lines } = await api(`/api/deployments/${deployment.id}/logs/?replica=${index}&lines=40`);
+  const [key, text] = startupPhase(lines);
+  $("startup-replica").textContent = String(index);
+  $("startup-phase").textContent = text;
+  $("startup-phase").dataset.phase = key;
+  const log = $("startup-log");
+  const body = lines.length ? lines.slice(-12).join("\n") : "(no output yet)";
+  if (log.textContent !== body) {
+    log.textContent = body;
+    log.scrollTop = log.scrollHeight;
+  }
+}
+
+setInterval(() => {
+  if (createdAt && STARTING.has(status)) $("startup-elapsed").textContent = formatElapsed((Date.now() - createdAt) / 1000);
+  for (const el of document.querySelectorAll("time[data-ago]")) el.textContent = ago(el.getAttribute("datetime"));
+}, 1000);
+every(STARTUP_LOG_MS, refreshStartup);
 
 // --- API keys ----------------------------------------------------------------------------------
 
@@ -205,7 +314,7 @@ function bubble(role, text) {
 }
 
 function setBusy(busy) {
-  $("chat-send").disabled = busy;
+  $("chat-send").disabled = busy || !SERVING.has(status);
   $("chat-stop").hidden = !busy;
 }
 
@@ -213,10 +322,11 @@ $("chat-form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const input = $("chat-input");
   const content = input.value.trim();
-  if (!content || controller) return;
+  if (!content || controller || !SERVING.has(status)) return;
   showError($("chat-error"), null);
+  $("chat-stats").textContent = "Waiting for the first token…";
   messages.push({ role: "user", content });
-  bubble("user", content);
+  const question = bubble("user", content);
   input.value = "";
   const answer = bubble("assistant", "");
   answer.parentElement.dataset.streaming = "true";
@@ -255,9 +365,15 @@ $("chat-form").addEventListener("submit", async (event) => {
       messages.push({ role: "assistant", content: answer.textContent });
       $("chat-stats").textContent = "Stopped.";
     } else {
-      messages.pop(); // the question was not answered; let the reader send it again
+      // The question was not answered: it leaves the conversation and goes back into the input,
+      // so the reader can shorten it or clear the conversation and send it again.
+      messages.pop();
       if (!answer.textContent) answer.parentElement.remove();
-      showError($("chat-error"), exc);
+      question.parentElement.remove();
+      input.value = content;
+      $("chat-stats").textContent = "";
+      const tooLong = exc?.data?.code === "context_length_exceeded";
+      showError($("chat-error"), tooLong ? new Error(`${exc.message} Clear the conversation or shorten the message.`) : exc);
     }
   } finally {
     answer.parentElement.dataset.streaming = "false";
@@ -285,7 +401,8 @@ $("chat-input").addEventListener("keydown", (event) => {
 function showLiveState(state) {
   const el = $("live-state");
   el.dataset.state = state;
-  el.textContent = { connecting: "connecting…", live: "live", reconnecting: "reconnecting…", closed: "not live" }[state];
+  const over = el.dataset.finished === "true";
+  el.textContent = { connecting: "connecting…", live: over ? "final" : "live", reconnecting: "reconnecting…", closed: over ? "final" : "not live" }[state];
 }
 
 // The deployment socket replays recent history on every connect and takes no `after`;
@@ -301,5 +418,12 @@ new LiveEvents(`/ws/deployments/${deployment.id}/`, onEvents, {
   onState: showLiveState,
   catchUp: eventsAfter,
 }).start();
+// How to call the deployment from outside: the base URL this page was served from and the model.
+$("call-example").textContent = [
+  "from openai import OpenAI",
+  `client = OpenAI(base_url="${location.origin}/v1", api_key="fth-…")  # a key created above`,
+  `reply = client.chat.completions.create(model="${deployment.model}", messages=[{"role": "user", "content": "Hello"}])`,
+  "print(reply.choices[0].message.content)",
+].join("\n");
 refresh();
 loadKeys().catch((exc) => showError($("key-error"), exc));

@@ -52,39 +52,61 @@ export function renderPlan(box, plan, layout, use) {
     (layout.recompute == null || e.candidate.recompute === layout.recompute),
   );
   const own = `dp${layout.dp} tp${layout.tp} pp${layout.pp} zero${layout.zero ?? 0} ${layout.recompute ?? "none"}`;
-  const verdict =
-    mine >= 0
-      ? `Your layout (${own}) ranks #${mine + 1} of ${plan.counts?.fit ?? ranked.length} that fit: ` +
-        `${formatNumber(ranked[mine].step_seconds)} s a step, ${formatNumber(ranked[mine].mfu * 100)} % MFU.`
-      : `Your layout (${own}) is not among the ${ranked.length} best that fit this cluster.`;
-  const rows = ranked.slice(0, SHOWN).map((e, i) =>
+  const ranks = tiedRanks(ranked);
+  const fit = plan.counts?.fit ?? ranked.length;
+  let verdict;
+  if (mine >= 0) {
+    const ties = ranks.filter((r) => r === ranks[mine]).length - 1;
+    verdict =
+      `Your layout (${own}) ranks #${ranks[mine]} of ${fit} that fit` +
+      `${ties ? `, tied with ${ties} other${ties === 1 ? "" : "s"} at the same step time` : ""}: ` +
+      `${formatNumber(ranked[mine].step_seconds)} s a step, ${formatNumber(ranked[mine].mfu * 100)} % MFU.`;
+  } else {
+    verdict = `Your layout (${own}) is not among the ${ranked.length} best that fit this cluster.`;
+  }
+  const shown = ranked.slice(0, SHOWN).map((e, i) => [e, i]);
+  if (mine >= SHOWN) shown.push([ranked[mine], mine]); // the reader's own row, wherever it ranks
+  const rows = shown.map(([e, i]) =>
     h(
       "tr",
-      { class: i === mine ? "plan-mine" : "" },
-      h("td", { class: "num" }, `#${i + 1}`),
-      h("td", {}, h("code", {}, e.label)),
-      h("td", { class: "num" }, `${formatNumber(e.step_seconds)} s`),
-      h("td", { class: "num" }, formatNumber(e.tokens_per_second)),
-      h("td", { class: "num" }, `${formatNumber(e.mfu * 100)} %`),
-      h("td", { class: "num" }, `${formatNumber(e.memory.total / 2 ** 30)} GiB`),
+      { class: i === mine ? "plan-mine" : "", dataset: { rank: ranks[i] } },
+      h("td", { class: "num", "data-label": "Rank" }, `#${ranks[i]}`),
+      h("td", { "data-label": "Layout" }, h("code", {}, e.label)),
+      h("td", { class: "num", "data-label": "Step" }, `${formatNumber(e.step_seconds)} s`),
+      h("td", { class: "num", "data-label": "Tokens/s" }, formatNumber(e.tokens_per_second)),
+      h("td", { class: "num", "data-label": "MFU" }, `${formatNumber(e.mfu * 100)} %`),
+      h("td", { class: "num", "data-label": "Memory / device" }, `${formatNumber(e.memory.total / 2 ** 30)} GiB`),
       h("td", {}, h("button", { type: "button", class: "small secondary", onclick: () => use(e.candidate) }, "Use", h("span", { class: "visually-hidden" }, ` ${e.label}`))),
     ),
   );
   box.replaceChildren(
     h("h2", {}, "Layout check"),
-    h("p", { class: mine >= 0 ? "" : "notice", dataset: { rank: mine + 1 } }, verdict),
+    h("p", { class: mine >= 0 ? "" : "notice", dataset: { rank: mine >= 0 ? ranks[mine] : 0 } }, verdict),
     h(
       "div",
       { class: "table-scroll" },
       h(
         "table",
-        { class: "plan-table" },
+        { class: "plan-table stack" },
         h("thead", {}, h("tr", {}, ...["Rank", "Layout", "Step", "Tokens/s", "MFU", "Memory / device", ""].map((t) => h("th", { scope: "col" }, t)))),
         h("tbody", {}, rows),
       ),
     ),
     h("details", {}, h("summary", {}, "Why"), h("pre", { class: "plan-why" }, plan.explanation ?? "")),
   );
+}
+
+/**
+ * Standard competition ranks ("1, 1, 3") by step time, as the planner orders them: layouts whose
+ * step times agree to the shown precision share the rank of the first of them.
+ */
+export function tiedRanks(ranked) {
+  const ranks = [];
+  ranked.forEach((e, i) => {
+    const same = i > 0 && formatNumber(e.step_seconds) === formatNumber(ranked[i - 1].step_seconds);
+    ranks.push(same ? ranks[i - 1] : i + 1);
+  });
+  return ranks;
 }
 
 /** Runs the check; returns field errors (`[{path, message}]`) for the form to show, if any. */

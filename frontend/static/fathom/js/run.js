@@ -12,10 +12,10 @@ import { Timeline } from "./timeline.js";
 // How often the log tail is read while the run is active.
 const LOG_REFRESH_MS = 3000;
 const ACTIVE = new Set(["queued", "starting", "running", "restarting"]);
-// Events after which the run's row (status, reason, restarts) is read again.
-const STATUS_KINDS = new Set([
-  "queued", "status", "agent_started", "resumed", "restarting", "succeeded", "failed", "cancelled", "cancel_requested",
-]);
+// Events after which the run's row (reason, restarts, cancel flag) is read again. The status
+// itself comes from the control plane's `status` and `queued` events, which the run's row
+// agrees with once they are committed.
+const ROW_KINDS = new Set(["queued", "status", "restarting", "cancel_requested"]);
 
 const run = pageData("run-data");
 const $ = (id) => document.getElementById(id);
@@ -28,11 +28,14 @@ const charts = {
 };
 const grid = new RankGrid($("rank-grid"), run.layout);
 const timeline = new Timeline($("timeline"));
-const checkpoints = new Checkpoints(run.id, $("checkpoint-rows"), $("checkpoints-empty"), { seqLen: run.seq_len });
+const checkpoints = new Checkpoints(run.id, $("checkpoint-rows"), $("checkpoints-empty"), { seqLen: run.seq_len, onDeploy: openDeploy });
 const logTail = new LogTail(run.id, $("log-tail"), $("log-rank"));
 logTail.setWorldSize(grid.ranks.length);
 
 let status = run.status;
+let statusSeq = 0; // the seq of the event that set `status`: an older read of the row must not undo it
+let cancelRequested = false;
+const silent = new Map(); // node agent → seconds it had been silent when the control plane noticed
 let step = 0;
 const markers = []; // restarts and checkpoints drawn on the loss curve
 
@@ -40,7 +43,9 @@ const markers = []; // restarts and checkpoints drawn on the loss curve
 
 function onEvents(events) {
   let gridChanged = false;
-  let statusChanged = false;
+  let rowChanged = false;
+  let checkpointsChanged = false;
+  let silenceChanged = false;
   for (const e of events) {
     if (e.kind === "metrics") {
       step = Math.max(step, e.step);
@@ -51,20 +56,38 @@ function onEvents(events) {
       showMetrics(e);
     } else if (e.kind === "checkpoint") {
       markers.push({ x: e.step, color: "#2e7d32" });
-      checkpoints.refreshSoon();
-    } else if (e.kind === "exported") {
-      checkpoints.refreshSoon();
     } else if (e.kind === "restarting") {
       markers.push({ x: step, color: "#d1242f" });
+    } else if ((e.kind === "status" || e.kind === "queued") && e.seq > statusSeq) {
+      statusSeq = e.seq;
+      showStatus(e.status ?? "queued");
+    } else if (e.kind === "node_silent") {
+      silent.set(e.node, e.silent_s);
+      silenceChanged = true;
+    } else if (e.kind === "node_reporting") {
+      silenceChanged = silent.delete(e.node) || silenceChanged;
     }
     if (e.kind === "rendezvous") logTail.setWorldSize(e.world_size ?? grid.ranks.length);
+    checkpointsChanged = checkpoints.apply(e) || checkpointsChanged;
     gridChanged = grid.apply(e) || gridChanged;
-    statusChanged = statusChanged || STATUS_KINDS.has(e.kind);
+    rowChanged = rowChanged || ROW_KINDS.has(e.kind);
   }
   if (events.some((e) => e.kind === "checkpoint" || e.kind === "restarting")) charts.loss.setMarkers([...markers]);
   if (gridChanged) grid.render();
+  if (checkpointsChanged) checkpoints.render();
+  if (silenceChanged) showSilence();
   timeline.add(events);
-  if (statusChanged) refreshRunSoon();
+  if (rowChanged) refreshRunSoon();
+}
+
+/** "node-1 silent" while a node agent has not posted past the control plane's threshold. */
+function showSilence() {
+  const badge = $("silent-nodes");
+  const nodes = ACTIVE.has(status) ? [...silent.keys()].sort() : [];
+  badge.textContent = nodes.map((n) => `${n} silent`).join(", ");
+  badge.title = nodes.map((n) => `${n}: no report for ${Math.round(silent.get(n))} s or more`).join("\n");
+  badge.dataset.nodes = nodes.join(",");
+  badge.hidden = nodes.length === 0;
 }
 
 function showMetrics(e) {
@@ -89,13 +112,30 @@ async function refreshRun() {
   showRun(await api(`/api/runs/${run.id}/`));
 }
 
-function showRun(row) {
+/** The status badge, the buttons it allows, and the live dot: the one place the status shows. */
+function showStatus(next) {
   const wasActive = ACTIVE.has(status);
-  status = row.status;
+  status = next;
   const badge = $("run-status");
   badge.textContent = status;
   badge.className = `badge status-${status}`;
   badge.dataset.status = status;
+  $("cancel-run").hidden = !ACTIVE.has(status) || cancelRequested;
+  $("resume-run").hidden = !(status === "failed" || status === "cancelled");
+  showLiveState($("live-state").dataset.state);
+  showSilence();
+  if (wasActive && !ACTIVE.has(status)) {
+    // One last read of the log and checkpoints: the final lines land as the run stops.
+    logTail.refresh().catch(() => {});
+    checkpoints.refreshSoon();
+  }
+}
+
+function showRun(row) {
+  cancelRequested = row.cancel_requested;
+  // The row is newer than the last status event seen, or the page has seen none: it decides.
+  if (row.last_seq >= statusSeq) showStatus(row.status);
+  else showStatus(status);
   const reason = $("run-reason");
   reason.textContent = row.status_reason;
   reason.hidden = !row.status_reason;
@@ -105,13 +145,6 @@ function showRun(row) {
     $("stat-step").textContent = String(step);
     $("stat-progress").value = step;
   }
-  $("cancel-run").hidden = !ACTIVE.has(status) || row.cancel_requested;
-  $("resume-run").hidden = !(status === "failed" || status === "cancelled");
-  if (wasActive && !ACTIVE.has(status)) {
-    // One last read of the log and checkpoints: the final lines land as the run stops.
-    logTail.refresh().catch(() => {});
-    checkpoints.refreshSoon();
-  }
 }
 
 function showActionError(exc) {
@@ -120,8 +153,9 @@ function showActionError(exc) {
   box.hidden = !exc;
 }
 
-function action(button, path, after) {
+function action(button, path, after, question = null) {
   button.addEventListener("click", async () => {
+    if (question && !confirm(question)) return;
     button.disabled = true;
     showActionError(null);
     try {
@@ -134,16 +168,58 @@ function action(button, path, after) {
   });
 }
 
-action($("cancel-run"), "cancel", showRun);
+action($("cancel-run"), "cancel", showRun, `Cancel run "${run.name}"? Its ranks stop; it can be resumed from its latest checkpoint.`);
 action($("resume-run"), "resume", showRun);
-action($("clone-run"), "clone", (clone) => location.assign(`/runs/${clone.id}`));
+
+// --- Deploy: a checkpoint to replicas, with a name, replica count and options --------------------
+
+const deployDialog = $("deploy-dialog");
+let deploying = null; // the checkpoint row the dialog is for
+
+function openDeploy(checkpoint) {
+  deploying = checkpoint;
+  $("deploy-step").textContent = String(checkpoint.step);
+  $("deploy-name").value = `${run.name} step ${checkpoint.step}`;
+  $("deploy-max-len").placeholder = run.seq_len ? String(run.seq_len) : "the checkpoint's";
+  $("deploy-error").hidden = true;
+  deployDialog.showModal();
+}
+
+$("deploy-cancel").addEventListener("click", () => deployDialog.close());
+$("deploy-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const button = $("deploy-confirm");
+  button.disabled = true;
+  $("deploy-error").hidden = true;
+  const options = { dtype: $("deploy-dtype").value, quantization: $("deploy-quantization").value };
+  // A deployment's context defaults to what the model was trained on; vLLM's own may exceed it.
+  const maxLen = Number($("deploy-max-len").value) || run.seq_len;
+  if (maxLen) options.max_model_len = maxLen;
+  if ($("deploy-eager").checked) options.enforce_eager = true;
+  try {
+    const deployment = await api("/api/deployments/", {
+      method: "POST",
+      json: { checkpoint: deploying.id, name: $("deploy-name").value.trim(), replicas: Number($("deploy-replicas").value) || 1, options },
+    });
+    location.assign(`/deployments/${deployment.id}`);
+  } catch (exc) {
+    $("deploy-error").textContent = exc.message;
+    $("deploy-error").hidden = false;
+    button.disabled = false;
+  }
+});
 
 // --- Start -------------------------------------------------------------------------------------
 
 function showLiveState(state) {
   const el = $("live-state");
   el.dataset.state = state;
-  el.textContent = { connecting: "connecting…", live: "live", reconnecting: "reconnecting…", closed: "not live" }[state];
+  // A finished run sends nothing more unless resumed: its socket stays open, but "live" would
+  // promise updates that will not come.
+  el.dataset.finished = String(!ACTIVE.has(status));
+  el.textContent = ACTIVE.has(status)
+    ? { connecting: "connecting…", live: "live", reconnecting: "reconnecting…", closed: "not live" }[state]
+    : { connecting: "connecting…", live: "final", reconnecting: "reconnecting…", closed: "final" }[state];
 }
 
 new LiveEvents(`/ws/runs/${run.id}/`, onEvents, { onState: showLiveState }).start();

@@ -18,6 +18,9 @@ const launchButton = document.getElementById("launch");
 const specInputs = [...form.querySelectorAll('[name^="spec."]')];
 
 let uploadedFile = null; // the File object the dataset select currently holds an upload of
+// A clone's source spec: the form's inputs are merged over it, so what the form does not show
+// (and the inputs the reader leaves as they were) stays as the source run had it.
+let baseSpec = null;
 
 // --- Recipe defaults as placeholders ----------------------------------------------------------
 
@@ -99,6 +102,7 @@ function setPath(target, path, value) {
 /** The run body, or `{errors}` for inputs the browser could not read as numbers. */
 function readForm() {
   const body = { recipe: recipeSelect.value };
+  if (baseSpec) body.spec = structuredClone(baseSpec);
   const errors = [];
   const name = form.elements.namedItem("name").value.trim();
   if (name) body.name = name;
@@ -226,19 +230,34 @@ function useCandidate(candidate) {
 
 document.getElementById("check-layout").addEventListener("click", async () => {
   clearErrors();
-  const { errors } = readForm();
+  const { body, errors } = readForm();
   if (errors.length) {
     showErrors(errors)?.focus();
     return;
   }
+  // The spec is checked first, as Launch would check it: a layout the trainer refuses (tp that
+  // does not divide the heads) is an error next to its input, not a rank among layouts.
+  planResult.replaceChildren(h("p", { class: "muted" }, "Checking the run…"));
+  let spec;
+  try {
+    ({ spec } = await api("/api/runs/check/", { method: "POST", json: body }));
+  } catch (exc) {
+    const data = exc instanceof ApiError && exc.status === 400 ? exc.data : [{ path: "", message: exc.message }];
+    planResult.replaceChildren(
+      h("p", { class: "notice", dataset: { check: "invalid" } }, "This run would not launch: fix the errors shown above, then check the layout again."),
+    );
+    (showErrors(data) ?? summary).focus();
+    return;
+  }
   const layout = {
-    dp: Number(effectiveValue("spec.layout.dp")) || 1,
-    tp: Number(effectiveValue("spec.layout.tp")) || 1,
-    pp: Number(effectiveValue("spec.layout.pp")) || 1,
-    zero: Number(effectiveValue("spec.layout.zero")) || 0,
-    recompute: effectiveValue("spec.layout.recompute") ?? "none",
+    dp: spec.layout.dp,
+    tp: spec.layout.tp,
+    pp: spec.layout.pp,
+    zero: spec.layout.zero ?? 0,
+    recompute: spec.layout.recompute ?? "none",
   };
-  const query = planQuery(effectiveValue, document.getElementById("plan-gpu").value);
+  const resolved = (path) => (path === "recipe" ? recipeSelect.value : path.split(".").slice(1).reduce((o, k) => o?.[k], spec));
+  const query = planQuery(resolved, document.getElementById("plan-gpu").value);
   const planErrors = await checkLayout(planResult, query, layout, useCandidate);
   if (planErrors.length) showErrors(planErrors)?.focus();
 });
@@ -247,6 +266,28 @@ recipeSelect.addEventListener("change", showRecipeDefaults);
 for (const input of form.querySelectorAll("input, select")) {
   input.addEventListener("input", () => input.name && clearError(input.name));
 }
+// --- Clone: the form filled in from an earlier run ----------------------------------------------
+
+/** Puts every value of the source run's spec that the form has an input for into that input. */
+async function prefillFrom(runId) {
+  const source = await api(`/api/runs/${runId}/`);
+  const { data: _data, ...spec } = source.spec; // data is named through the dataset and tokenizer fields
+  baseSpec = spec;
+  form.elements.namedItem("name").value = `${source.name} (clone)`;
+  for (const input of specInputs) {
+    const value = input.name.split(".").slice(1).reduce((o, k) => o?.[k], source.spec);
+    if (value === undefined || value === null || typeof value === "object") continue;
+    input.value = String(value);
+  }
+  await Promise.all([datasetsLoaded, tokenizersLoaded]);
+  datasetSelect.value = source.dataset == null ? "" : String(source.dataset);
+  tokenizerSelect.value = source.tokenizer_run == null ? "" : String(source.tokenizer_run);
+  document.getElementById("form-title").textContent = `Clone run #${source.id}`;
+  form.dataset.cloneOf = String(source.id);
+}
+
 showRecipeDefaults();
-loadDatasets().catch((exc) => showErrors({ dataset: [`could not list datasets: ${exc.message}`] }));
-loadTokenizerRuns().catch((exc) => showErrors({ tokenizer_run: [`could not list runs: ${exc.message}`] }));
+const datasetsLoaded = loadDatasets().catch((exc) => showErrors({ dataset: [`could not list datasets: ${exc.message}`] }));
+const tokenizersLoaded = loadTokenizerRuns().catch((exc) => showErrors({ tokenizer_run: [`could not list runs: ${exc.message}`] }));
+const cloneOf = new URLSearchParams(location.search).get("from");
+if (cloneOf) prefillFrom(cloneOf).catch((exc) => showErrors([{ path: "", message: `could not read run ${cloneOf}: ${exc.message}` }]));

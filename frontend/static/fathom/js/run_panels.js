@@ -1,52 +1,82 @@
-// The run page's polled panels: the checkpoint list (with Deploy) and the log tail.
+// The run page's panels: the checkpoint list (with Deploy) and the polled log tail.
 
-import { api } from "./api.js";
+import { api, items } from "./api.js";
 import { ago, h } from "./dom.js";
 
+/**
+ * The run's checkpoints, one row per step, kept from the API's list and moved by the run's
+ * events as they arrive: `checkpoint` adds a row, `exported` fills its export,
+ * `checkpoint_pruned` marks it pruned. A row's `data-state` is "saved", "exported" or "pruned".
+ */
 export class Checkpoints {
-  constructor(runId, body, empty, { seqLen = null } = {}) {
+  constructor(runId, body, empty, { seqLen = null, onDeploy = null } = {}) {
     this.runId = runId;
     this.seqLen = seqLen;
     this.body = body;
     this.empty = empty;
+    this.onDeploy = onDeploy;
     this.timer = null;
+    this.rows = new Map(); // step → {id, step, path, export_path, created_at, pruned_at}
   }
 
-  /** Loads soon: several checkpoint and export events in one burst cost one request. */
+  /** Loads soon: several checkpoint events in one burst cost one request. */
   refreshSoon() {
     clearTimeout(this.timer);
-    this.timer = setTimeout(() => this.refresh(), 300);
+    this.timer = setTimeout(() => this.refresh().catch(() => {}), 300);
   }
 
   async refresh() {
-    const checkpoints = await api(`/api/runs/${this.runId}/checkpoints/`);
-    this.empty.hidden = checkpoints.length > 0;
-    this.body.replaceChildren(...[...checkpoints].reverse().map((c) => this.row(c)));
+    const checkpoints = items(await api(`/api/runs/${this.runId}/checkpoints/`));
+    for (const c of checkpoints) this.rows.set(c.step, { ...this.rows.get(c.step), ...c });
+    this.render();
+  }
+
+  /** Applies one of the run's events; returns whether a row changed. */
+  apply(e) {
+    const iso = new Date(e.time * 1000).toISOString();
+    const row = this.rows.get(e.step);
+    if (e.kind === "checkpoint") {
+      if (!row) this.rows.set(e.step, { id: null, step: e.step, path: e.path, export_path: "", created_at: iso, pruned_at: null });
+      this.refreshSoon(); // the row's id, which Deploy needs
+      return true;
+    }
+    if (e.kind === "exported" && row) {
+      row.export_path = e.path;
+      return true;
+    }
+    if (e.kind === "checkpoint_pruned" && row) {
+      row.pruned_at ??= iso;
+      return true;
+    }
+    return false;
+  }
+
+  render() {
+    const rows = [...this.rows.values()].sort((a, b) => b.step - a.step);
+    this.empty.hidden = rows.length > 0;
+    this.body.replaceChildren(...rows.map((c) => this.row(c)));
   }
 
   row(checkpoint) {
-    const error = h("span", { class: "error", role: "alert" });
-    const button = h("button", { type: "button", class: "small", dataset: { checkpoint: checkpoint.id } }, "Deploy");
-    button.addEventListener("click", async () => {
-      button.disabled = true;
-      error.textContent = "";
-      try {
-        const body = { checkpoint: checkpoint.id, replicas: 1 };
-        if (this.seqLen) body.options = { max_model_len: this.seqLen };
-        const deployment = await api("/api/deployments/", { method: "POST", json: body });
-        location.assign(`/deployments/${deployment.id}`);
-      } catch (exc) {
-        error.textContent = exc.message;
-        button.disabled = false;
-      }
-    });
+    const state = checkpoint.export_path ? "exported" : checkpoint.pruned_at ? "pruned" : "saved";
+    // A pruned checkpoint's folder is gone; only its export, if one was made, can be served.
+    const deployable = checkpoint.id != null && (state !== "pruned" || checkpoint.export_path);
+    const deploy = deployable
+      ? h("button", { type: "button", class: "small", dataset: { checkpoint: checkpoint.id }, onclick: () => this.onDeploy?.(checkpoint) }, "Deploy…")
+      : null;
+    const exportCell =
+      state === "exported"
+        ? [h("span", { class: "badge status-succeeded" }, "exported"), " ", h("span", { class: "path" }, checkpoint.export_path)]
+        : state === "pruned"
+          ? h("span", { class: "badge status-pruned", title: "Deleted by the trainer: train.keep_checkpoints" }, "pruned")
+          : h("span", { class: "muted" }, "not exported");
     return h(
       "tr",
-      { dataset: { step: checkpoint.step } },
-      h("td", { class: "num" }, String(checkpoint.step)),
-      h("td", {}, h("time", { datetime: checkpoint.created_at, title: checkpoint.created_at }, ago(checkpoint.created_at))),
-      h("td", { class: "path" }, checkpoint.export_path || h("span", { class: "muted" }, "not exported")),
-      h("td", {}, h("span", { class: "visually-hidden" }, `Step ${checkpoint.step}: `), button, " ", error),
+      { dataset: { step: checkpoint.step, state } },
+      h("td", { class: "num", "data-label": "Step" }, String(checkpoint.step)),
+      h("td", { "data-label": "Saved" }, h("time", { datetime: checkpoint.created_at, title: checkpoint.created_at }, ago(checkpoint.created_at))),
+      h("td", { class: "export", "data-label": "State" }, exportCell),
+      h("td", {}, deploy ? [h("span", { class: "visually-hidden" }, `Step ${checkpoint.step}: `), deploy] : null),
     );
   }
 }
