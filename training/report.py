@@ -46,6 +46,9 @@ class ReporterConfig:
     request_timeout: float = 5.0  # a control plane that takes longer is treated as down
     backoff_initial: float = 0.25  # first retry delay after a failed POST; doubles per failure
     backoff_max: float = 4.0  # cap, so a control plane that comes back is reached within seconds
+    # With nothing to send for this long, an empty batch is posted: the control plane shows an
+    # agent that posts nothing for three of these as "silent" (a stopped or cut-off host).
+    idle_post_interval: float = 5.0
 
 
 class EventSpool:
@@ -129,6 +132,7 @@ class Reporter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fathom-reporter", daemon=True)
         self._backoff = 0.0
+        self._last_post = time.monotonic()
         self.last_error: str | None = None
 
     def start(self) -> None:
@@ -167,6 +171,8 @@ class Reporter:
             self._tail()
             if self.config.events_url and self.spool.unacked:
                 self._ship_all(deadline=time.monotonic() + self.config.poll_interval)
+            elif self.config.events_url and time.monotonic() - self._last_post >= self.config.idle_post_interval:
+                self._post_batch()  # empty: says this agent is alive
             self._stop.wait(max(self.config.poll_interval, self._backoff))
 
     def _ship_all(self, deadline: float) -> bool:
@@ -200,6 +206,7 @@ class Reporter:
         with self._lock:
             self.spool.acknowledge(last_seq)
         self._backoff = 0.0
+        self._last_post = time.monotonic()
         self.last_error = None
         return True
 

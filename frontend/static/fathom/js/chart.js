@@ -14,7 +14,7 @@ const STEP_INCREMENTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4,
  * The container's `data-points` says how many x values the chart holds.
  */
 export class LineChart {
-  constructor(container, { series, time = false, height = 200, yRange, format = formatNumber }) {
+  constructor(container, { series, time = false, height = 200, yRange, yLabel = "", format = formatNumber }) {
     this.container = container;
     this.names = series;
     this.points = new Map(); // x → [y…]
@@ -40,8 +40,15 @@ export class LineChart {
         })),
       ],
       // Steps are whole numbers: no tick at step 1.5.
-      axes: [time ? { space: 70, incrs: SECOND_INCREMENTS, values: clockTicks } : { incrs: STEP_INCREMENTS }, { values: (u, ticks) => ticks.map(format), size: 60 }],
-      hooks: { draw: [(u) => this.drawMarkers(u)] },
+      axes: [
+        time ? { space: 70, incrs: SECOND_INCREMENTS, values: clockTicks, label: "time", labelSize: 20 } : { incrs: STEP_INCREMENTS, label: "step", labelSize: 20 },
+        { values: (u, ticks) => ticks.map(format), size: 60, ...(yLabel ? { label: yLabel, labelSize: 20 } : {}) },
+      ],
+      hooks: {
+        draw: [(u) => this.drawMarkers(u)],
+        // Away from the cursor the legend shows the latest point, not dashes.
+        setCursor: [(u) => this.showLatest(u)],
+      },
     };
     this.plot = new uPlot(opts, this.data, container);
     this.container.dataset.points = "0";
@@ -79,6 +86,11 @@ export class LineChart {
     this.data = [xs, ...this.names.map((_, i) => xs.map((x) => this.points.get(x)[i]))];
     this.plot.setData(this.data);
     this.container.dataset.points = String(xs.length);
+    this.showLatest(this.plot);
+  }
+
+  showLatest(u) {
+    if (u.cursor.idx == null && u.data[0].length) u.setLegend({ idx: u.data[0].length - 1 });
   }
 
   drawMarkers(u) {

@@ -17,6 +17,9 @@ const IMPORTANCE = {
   cancelled: "warn",
   checkpoint: "info",
   exported: "info",
+  checkpoint_pruned: "plain",
+  node_silent: "warn",
+  node_reporting: "ok",
   resumed: "ok",
   succeeded: "ok",
 };
@@ -58,6 +61,12 @@ export function describe(e) {
       return ["Exported", `step ${e.step} to Hugging Face format`];
     case "export_failed":
       return ["Export failed", `step ${e.step}: ${e.reason ?? ""}`];
+    case "checkpoint_pruned":
+      return ["Checkpoint pruned", `step ${e.step}: deleted by the trainer (train.keep_checkpoints)${e.exported ? "; its export stays" : ""}`];
+    case "node_silent":
+      return [`${e.node} silent`, `no report for ${Math.round(e.silent_s ?? 0)} s (threshold ${Math.round(e.threshold_s ?? 0)} s)`];
+    case "node_reporting":
+      return [`${e.node} reporting again`, `after ${Math.round(e.silent_s ?? 0)} s without a report`];
     case "finished":
       return ["Training finished", `step ${e.step}`];
     default:
