@@ -39,8 +39,11 @@ def test_another_users_run_and_deployment_pages_answer_404(client, alice, bob):
     checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
     deployment = Deployment.objects.create(owner=alice, name="d", checkpoint=checkpoint, served_model_name="d")
     client.force_login(bob)
-    assert client.get(f"/runs/{run.pk}").status_code == 404
-    assert client.get(f"/deployments/{deployment.pk}").status_code == 404
+    for path in (f"/runs/{run.pk}", f"/deployments/{deployment.pk}"):
+        page = client.get(path)
+        assert page.status_code == 404
+        # The dashboard's own page, with the way back, not a bare "Not Found".
+        assert b"Your runs" in page.content and b"Log out bob" in page.content
     client.force_login(alice)
     assert b"mine" in client.get(f"/runs/{run.pk}").content
     assert client.get(f"/deployments/{deployment.pk}").status_code == 200

@@ -21,7 +21,7 @@ const run = pageData("run-data");
 const $ = (id) => document.getElementById(id);
 
 const charts = {
-  loss: new LineChart($("chart-loss"), { series: ["loss"], yLabel: "cross-entropy (nats/token)" }),
+  loss: new LineChart($("chart-loss"), { series: ["loss"], yLabel: "nats/token" }),
   lr: new LineChart($("chart-lr"), { series: ["lr"], yLabel: "learning rate" }),
   tps: new LineChart($("chart-tps"), { series: ["tokens/s"], yLabel: "tokens/s", yRange: (u, min, max) => [0, Math.max(max, 1) * 1.1] }),
   mfu: new LineChart($("chart-mfu"), { series: ["MFU %"], yLabel: "% of peak FLOPs", yRange: (u, min, max) => [0, Math.max(max, 0.01) * 1.1] }),
