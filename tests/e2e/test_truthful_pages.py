@@ -98,6 +98,15 @@ def test_a_run_page_opened_before_the_run_starts_follows_it_to_succeeded_without
     expect(page.locator('#timeline li[data-kind="node_reporting"]')).to_be_visible()
 
     agent.send("metrics", {"step": 30, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 900.0})
+    # The loss chart smooths and goes logarithmic on request, and says its latest value unhovered.
+    loss = page.locator("#chart-loss")
+    expect(loss.locator(".u-legend")).to_contain_text("3")
+    page.get_by_label("Smoothing").fill("0.6")
+    expect(loss).to_have_attribute("data-smoothing", "0.6")
+    expect(page.locator("#loss-smoothing-value")).to_have_text("0.60")
+    page.get_by_label("log scale").check()
+    expect(loss).to_have_attribute("data-scale", "log")
+    expect(loss).to_have_attribute("data-points", "2")
     agent.send("succeeded", {"step": 20})
     expect(badge).to_have_attribute("data-status", "succeeded")
     expect(page.locator("#live-state")).to_have_text("final")

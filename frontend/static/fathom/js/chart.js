@@ -14,15 +14,20 @@ const STEP_INCREMENTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4,
  * The container's `data-points` says how many x values the chart holds.
  */
 export class LineChart {
-  constructor(container, { series, time = false, height = 200, yRange, yLabel = "", format = formatNumber }) {
+  constructor(container, { series, time = false, height = 200, yRange, yLabel = "", format = formatNumber, smoothable = false }) {
     this.container = container;
     this.names = series;
+    // With `smoothable`, each series gets a smoothed twin (an exponential moving average with
+    // TensorBoard's start-up correction), drawn over the raw one, which fades; 0 turns it off.
+    this.smoothable = smoothable;
+    this.smoothing = 0;
+    this.yRange = yRange;
     this.points = new Map(); // x → [y…]
     this.sorted = true; // whether every put so far came after the previous largest x
     this.maxX = -Infinity;
     this.markers = [];
     this.pending = false;
-    this.data = [[], ...series.map(() => [])];
+    this.data = [[], ...series.map(() => []), ...(smoothable ? series.map(() => []) : [])];
     const opts = {
       width: Math.max(container.clientWidth, 200),
       height,
@@ -38,6 +43,16 @@ export class LineChart {
           spanGaps: true,
           value: (u, v) => (v == null ? "–" : format(v)),
         })),
+        ...(smoothable
+          ? series.map((label, i) => ({
+              label: `${label} (smoothed)`,
+              stroke: PALETTE[i % PALETTE.length],
+              width: 2,
+              spanGaps: true,
+              show: false,
+              value: (u, v) => (v == null ? "–" : format(v)),
+            }))
+          : []),
       ],
       // Steps are whole numbers: no tick at step 1.5.
       axes: [
@@ -50,6 +65,7 @@ export class LineChart {
         setCursor: [(u) => this.showLatest(u)],
       },
     };
+    this.opts = opts;
     this.plot = new uPlot(opts, this.data, container);
     this.container.dataset.points = "0";
     new ResizeObserver(() => {
@@ -83,10 +99,36 @@ export class LineChart {
     const xs = [...this.points.keys()];
     if (!this.sorted) xs.sort((a, b) => a - b);
     this.sorted = true;
-    this.data = [xs, ...this.names.map((_, i) => xs.map((x) => this.points.get(x)[i]))];
+    const raw = this.names.map((_, i) => xs.map((x) => this.points.get(x)[i]));
+    this.data = [xs, ...raw, ...(this.smoothable ? raw.map((ys) => smooth(ys, this.smoothing)) : [])];
     this.plot.setData(this.data);
     this.container.dataset.points = String(xs.length);
     this.showLatest(this.plot);
+  }
+
+  /** 0 (off) to 0.99: the weight of the past in the moving average. */
+  setSmoothing(weight) {
+    if (!this.smoothable) return;
+    this.smoothing = weight;
+    const n = this.names.length;
+    this.names.forEach((_, i) => {
+      this.plot.setSeries(1 + n + i, { show: weight > 0 });
+      // The raw curve stays, faded, as W&B and TensorBoard draw it.
+      this.plot.series[1 + i].alpha = weight > 0 ? 0.25 : 1;
+    });
+    this.container.dataset.smoothing = String(weight);
+    this.schedule();
+  }
+
+  /** A logarithmic y axis (positive values only), or back to linear. */
+  setLogScale(on) {
+    this.opts.scales.y = on ? { distr: 3, log: 10 } : this.yRange ? { range: this.yRange } : {};
+    this.opts.width = this.plot.width;
+    this.plot.destroy();
+    this.plot = new uPlot(this.opts, this.data, this.container);
+    if (this.smoothing > 0) this.setSmoothing(this.smoothing);
+    this.container.dataset.scale = on ? "log" : "linear";
+    this.schedule();
   }
 
   showLatest(u) {
@@ -111,6 +153,19 @@ export class LineChart {
     }
     ctx.restore();
   }
+}
+
+/** Debiased exponential moving average of `ys` (nulls kept), as TensorBoard's smoothing slider. */
+export function smooth(ys, weight) {
+  if (!(weight > 0)) return ys.map(() => null);
+  let last = 0;
+  let n = 0;
+  return ys.map((y) => {
+    if (y == null) return null;
+    last = last * weight + (1 - weight) * y;
+    n += 1;
+    return last / (1 - weight ** n);
+  });
 }
 
 /** Time ticks as a 24-hour clock, with seconds when the chart spans only a few minutes. */

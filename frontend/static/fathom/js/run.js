@@ -21,11 +21,17 @@ const run = pageData("run-data");
 const $ = (id) => document.getElementById(id);
 
 const charts = {
-  loss: new LineChart($("chart-loss"), { series: ["loss"], yLabel: "nats/token" }),
+  loss: new LineChart($("chart-loss"), { series: ["loss"], yLabel: "nats/token", smoothable: true }),
   lr: new LineChart($("chart-lr"), { series: ["lr"], yLabel: "learning rate" }),
   tps: new LineChart($("chart-tps"), { series: ["tokens/s"], yLabel: "tokens/s", yRange: (u, min, max) => [0, Math.max(max, 1) * 1.1] }),
   mfu: new LineChart($("chart-mfu"), { series: ["MFU %"], yLabel: "% of peak FLOPs", yRange: (u, min, max) => [0, Math.max(max, 0.01) * 1.1] }),
 };
+$("loss-smoothing").addEventListener("input", (event) => {
+  const weight = Number(event.target.value);
+  $("loss-smoothing-value").textContent = weight > 0 ? weight.toFixed(2) : "off";
+  charts.loss.setSmoothing(weight);
+});
+$("loss-log").addEventListener("change", (event) => charts.loss.setLogScale(event.target.checked));
 const grid = new RankGrid($("rank-grid"), run.layout);
 const timeline = new Timeline($("timeline"));
 const checkpoints = new Checkpoints(run.id, $("checkpoint-rows"), $("checkpoints-empty"), { seqLen: run.seq_len, onDeploy: openDeploy });
