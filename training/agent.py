@@ -9,7 +9,12 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
 
 * ranks are started so they die with the agent and log to `RUN_DIR/logs/rank{R}.log`
   (`training.ranks`), and are watched for hangs as well as exits (`training.watchdog`);
+* the restart budget (`nodes.max_restarts`) counts failures in a row without progress: an attempt
+  that committed a newer checkpoint than it resumed from gives the budget back, so a long run that
+  fails now and then is not ended by it, while a crash loop still is;
 * restarts after a failure that made no progress back off exponentially;
+* a rank that reports an error no restart can cure (bad data, a spec it refuses, a broken
+  tokenizer: `training.rankenv.RankError`) fails the run at once with that reason;
 * every lifecycle event, and rank 0's events, go through the spooling reporter
   (`training.report`) to the control plane;
 * when the rendezvous ends with fewer nodes than `nodes.max` (a node was lost and `nodes.min`
@@ -48,7 +53,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from training.checkpoint_paths import latest_committed_step
 from training.config import RunSpec, SpecError
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
-from training.rankenv import RankEnvironment
+from training.rankenv import RankEnvironment, RankError
 from training.ranks import (
     RankProcess,
     RankSlot,
@@ -161,6 +166,9 @@ class NodeAgent(SimpleElasticAgent):
         self._from_step = 0  # the checkpoint the current ranks resumed from
         self._failures_without_progress = 0
         self._restarts = 0
+        # Restarts since the run last committed a checkpoint newer than the one its ranks resumed
+        # from; `nodes.max_restarts` bounds this count, not the run's total.
+        self._restarts_in_a_row = 0
         self._standbys: list[Standby] = []
         self._standbys_due = False  # replenish once the current ranks have finished a step
 
@@ -210,6 +218,7 @@ class NodeAgent(SimpleElasticAgent):
                 heartbeat_file=self.config.node_dir / "heartbeat" / f"rank{worker.global_rank}.json",
                 heartbeat_interval=self.config.heartbeat_interval,
                 events_file=self.config.node_dir / "events.jsonl",
+                error_file=self.config.node_dir / "errors" / f"rank{worker.global_rank}.json",
             )
             env = {
                 **_process_env(),
@@ -222,6 +231,7 @@ class NodeAgent(SimpleElasticAgent):
                 env=env,
                 log=self.config.run_dir / "logs" / f"rank{worker.global_rank}.log",
                 heartbeat_file=rank_env.heartbeat_file,
+                error_file=self.config.node_dir / "errors" / f"rank{worker.global_rank}.json",
             )
             rank = activate_standby(self._standbys.pop(0), argv, slot) if self._standbys else None
             if rank is None:
@@ -314,17 +324,26 @@ class NodeAgent(SimpleElasticAgent):
                 # with it, and they exit with an error in the same instant.
                 failures = sorted(state.failures, key=lambda f: ("hung", "killed by signal", "exited").index(f.reason))
                 self._handle_failures(failures)
-                if self._remaining_restarts <= 0:
+                fatal = self._non_retryable(failures)
+                if fatal is not None:
+                    self._stop_workers(group)
+                    return fatal
+                if latest_committed_step(self.config.run_dir) > self._from_step:
+                    self._restarts_in_a_row = 0  # the attempt saved progress: the budget is whole again
+                if self._restarts_in_a_row >= self.spec.nodes.max_restarts:
                     self._stop_workers(group)
                     first = failures[0]
                     return Outcome(
                         code=ExitCode.FAILED,
                         kind="failed",
                         data={
-                            "reason": f"rank {first.rank} {first.reason}; {self.spec.nodes.max_restarts} restarts used"
+                            "reason": f"rank {first.rank} {first.reason}; {self._restarts_in_a_row} restarts in a row "
+                            f"without a new checkpoint (nodes.max_restarts={self.spec.nodes.max_restarts})",
+                            "restarts": self._restarts,
                         },
                     )
-                self._remaining_restarts -= 1
+                self._restarts_in_a_row += 1
+                self._remaining_restarts = self.spec.nodes.max_restarts - self._restarts_in_a_row
                 self._restarts += 1
                 self._restart("rank failed", self._backoff(progressed=self._progressed()))
             elif time.monotonic() >= next_membership_check:
@@ -352,6 +371,24 @@ class NodeAgent(SimpleElasticAgent):
                 rank.signal(signal.SIGCONT)  # a stopped process runs its signal handlers only once continued
         if hung:
             time.sleep(self.config.stack_dump_grace)
+
+    def _non_retryable(self, failures: list[RankFailure]) -> Outcome | None:
+        """The run's end when a failed rank reported an error that every restart would meet again."""
+        for failure in failures:
+            rank = next(r for r in self._ranks if r.global_rank == failure.rank)
+            error = RankError.read(rank.error_file) if failure.reason == "exited" else None
+            if error is not None:
+                return Outcome(
+                    code=ExitCode.FAILED,
+                    kind="failed",
+                    data={
+                        "reason": f"{error.error_class} error (not retried): {error.message}",
+                        "error_class": error.error_class,
+                        "rank": failure.rank,
+                        "restarts": self._restarts,
+                    },
+                )
+        return None
 
     def _progressed(self) -> bool:
         """Whether the failed attempt finished at least one step past its checkpoint."""

@@ -8,10 +8,12 @@ place means the names cannot drift apart. A rank started without an agent (a pla
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 RUN_DIR = "FATHOM_RUN_DIR"
 NODE_RANK = "FATHOM_NODE_RANK"
@@ -19,6 +21,37 @@ ATTEMPT = "FATHOM_ATTEMPT"
 HEARTBEAT_FILE = "FATHOM_HEARTBEAT_FILE"
 HEARTBEAT_INTERVAL = "FATHOM_HEARTBEAT_INTERVAL"
 EVENTS_FILE = "FATHOM_EVENTS_FILE"
+ERROR_FILE = "FATHOM_ERROR_FILE"
+
+# Failures that no restart can cure: the same input fails the same way on every attempt.
+ErrorClass = Literal["data", "spec", "tokenizer"]
+# A rank's exit status after it wrote such an error to its error file (sysexits' EX_CONFIG).
+NON_RETRYABLE_EXIT = 78
+
+
+@dataclass(kw_only=True, frozen=True)
+class RankError:
+    """What a rank reports before it exits with NON_RETRYABLE_EXIT: the agent fails the run with it."""
+
+    error_class: ErrorClass
+    message: str
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"error_class": self.error_class, "message": self.message}))
+        os.replace(tmp, path)  # the agent never reads half a report
+
+    @classmethod
+    def read(cls, path: Path) -> RankError | None:
+        """The report in `path`, or None when there is none (or it is not one of ours)."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("error_class") not in get_args(ErrorClass):
+            return None
+        return cls(error_class=data["error_class"], message=str(data.get("message", "")))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -29,6 +62,8 @@ class RankEnvironment:
     heartbeat_file: Path  # where this rank's heartbeat thread writes (step, phase, time)
     heartbeat_interval: float  # seconds between heartbeats
     events_file: Path  # where rank 0 appends its JSON-lines events
+    # Where the rank reports an error no restart can cure (`RankError`) before it exits.
+    error_file: Path | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnvironment | None:
@@ -44,6 +79,7 @@ class RankEnvironment:
             heartbeat_file=Path(env[HEARTBEAT_FILE]),
             heartbeat_interval=float(env.get(HEARTBEAT_INTERVAL, "0.1")),
             events_file=Path(env.get(EVENTS_FILE, str(run_dir / "events.jsonl"))),
+            error_file=Path(env[ERROR_FILE]) if env.get(ERROR_FILE) else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -54,6 +90,7 @@ class RankEnvironment:
             HEARTBEAT_FILE: str(self.heartbeat_file),
             HEARTBEAT_INTERVAL: repr(self.heartbeat_interval),
             EVENTS_FILE: str(self.events_file),
+            **({ERROR_FILE: str(self.error_file)} if self.error_file else {}),
         }
 
     @property

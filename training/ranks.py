@@ -48,6 +48,7 @@ class RankSlot:
     env: dict[str, str]
     log: Path  # stdout and stderr, appended
     heartbeat_file: Path
+    error_file: Path  # where the rank reports an error no restart can cure (training.rankenv.RankError)
 
 
 @dataclass(kw_only=True)
@@ -56,6 +57,7 @@ class RankProcess:
     local_rank: int
     popen: subprocess.Popen[bytes]
     heartbeat_file: Path
+    error_file: Path
     started_at: float  # time.time() at spawn
     log: Path
     exit_code: int | None = field(default=None)
@@ -135,7 +137,7 @@ def activate_standby(standby: Standby, argv: list[str], slot: RankSlot) -> RankP
     """Turns `standby` into the rank of `slot`; None if it died before it could take the order."""
     if not standby.alive() or standby.popen.stdin is None:
         return None
-    slot.heartbeat_file.unlink(missing_ok=True)  # a beat from the previous attempt is not this rank's
+    _forget_previous_attempt(slot)
     _start_log(slot.log, slot.global_rank, "warm standby")
     order = {"env": slot.env, "argv": argv, "log": str(slot.log)}
     try:
@@ -149,7 +151,7 @@ def activate_standby(standby: Standby, argv: list[str], slot: RankSlot) -> RankP
 
 def spawn_rank(command: list[str], slot: RankSlot) -> RankProcess:
     """Starts the rank of `slot` from scratch: `command` is the full argv (python -m …)."""
-    slot.heartbeat_file.unlink(missing_ok=True)
+    _forget_previous_attempt(slot)
     _start_log(slot.log, slot.global_rank, "cold")
     with open(slot.log, "ab") as out:
         popen = subprocess.Popen(
@@ -163,12 +165,19 @@ def spawn_rank(command: list[str], slot: RankSlot) -> RankProcess:
     return _rank_process(slot, popen)
 
 
+def _forget_previous_attempt(slot: RankSlot) -> None:
+    """A beat or an error report left by the previous attempt is not this rank's."""
+    slot.heartbeat_file.unlink(missing_ok=True)
+    slot.error_file.unlink(missing_ok=True)
+
+
 def _rank_process(slot: RankSlot, popen: subprocess.Popen[bytes]) -> RankProcess:
     return RankProcess(
         global_rank=slot.global_rank,
         local_rank=slot.local_rank,
         popen=popen,
         heartbeat_file=slot.heartbeat_file,
+        error_file=slot.error_file,
         started_at=time.time(),
         log=slot.log,
     )

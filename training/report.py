@@ -9,7 +9,9 @@ the moment it is known. A thread ships what the control plane has not acknowledg
     {"source": "node-0", "events": [{"seq": 1, "kind": "metrics", "time": 1732870000.1, "data": {...}}]}
     -> 200 {"last_seq": n}      (the highest seq the server holds from this source)
 
-and remembers `last_seq`. While the control plane is down, requests fail and are retried with
+and remembers `last_seq`. The thread sleeps until a rank writes to an events file or the agent
+emits (`training.wakeup`: inotify and a pipe), so a point leaves within milliseconds of its birth;
+while lines keep coming, the time one POST takes gathers the next batch. While the control plane is down, requests fail and are retried with
 exponential backoff; nothing is dropped because everything is in the spool. Nothing is delivered
 twice because only seq > last_seq is sent, and the server dedupes on (run, source, seq) anyway,
 which covers the one unavoidable race: a request the server committed whose answer was lost.
@@ -20,17 +22,20 @@ unacknowledged events are sent, and each tailed file is read on from where the s
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.wakeup import FileWaker
+
 # (kind, time, data, where it was read: (events file, offset after the line) or None)
+ACKED_WRITE_INTERVAL = 1.0  # seconds between writes of the spool's `acked` file
 Incoming = tuple[str, float, dict[str, Any], tuple[str, int] | None]
 
 
@@ -41,7 +46,9 @@ class ReporterConfig:
     events_url: str | None  # None: spool only (a run with no control plane)
     run_token: str | None
     tail_files: tuple[Path, ...] = ()
-    poll_interval: float = 0.2  # how often the events files are read and the spool shipped
+    # Writes to the events files and emit() wake the thread at once; this is the backstop for
+    # writes no notification reports (inotify missing, or a file on a network file system).
+    poll_interval: float = 0.2
     batch_size: int = 500  # events per POST; bounds a request's size after a long outage
     request_timeout: float = 5.0  # a control plane that takes longer is treated as down
     backoff_initial: float = 0.25  # first retry delay after a failed POST; doubles per failure
@@ -64,6 +71,8 @@ class EventSpool:
         self.last_seq = 0
         self.tail_offsets: dict[str, int] = {}
         self.acked = int(self._acked_path.read_text()) if self._acked_path.exists() else 0
+        self._acked_on_disk = self.acked
+        self._acked_written_at = 0.0
         self.unacked: list[dict[str, Any]] = []
         for entry in self._read_all():
             self._note(entry)
@@ -91,11 +100,21 @@ class EventSpool:
         else:
             self.unacked = [e for e in self.unacked if e["seq"] > last_seq]
         self.acked = last_seq
+        # Written at most once a second (two file operations per POST were a fifth of the
+        # uplink's time at 1,000 points/s): losing it only causes a resend, which dedupes.
+        if time.monotonic() - self._acked_written_at >= ACKED_WRITE_INTERVAL:
+            self._write_acked()
+
+    def _write_acked(self) -> None:
         tmp = self._acked_path.with_suffix(".tmp")
-        tmp.write_text(str(last_seq))
-        os.replace(tmp, self._acked_path)  # losing this write only causes a resend, which dedupes
+        tmp.write_text(str(self.acked))
+        os.replace(tmp, self._acked_path)
+        self._acked_on_disk = self.acked
+        self._acked_written_at = time.monotonic()
 
     def close(self) -> None:
+        if self.acked != self._acked_on_disk:
+            self._write_acked()
         self._file.close()
 
     def _note(self, entry: dict[str, Any]) -> None:
@@ -131,7 +150,11 @@ class Reporter:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fathom-reporter", daemon=True)
+        self._waker = FileWaker(config.tail_files)
         self._backoff = 0.0
+        self._retry_at = 0.0  # time.monotonic() before which a failed control plane is not asked again
+        # One kept-alive connection: a new TCP connection per POST cost as much as the request.
+        self._connection: http.client.HTTPConnection | None = None
         self._last_post = time.monotonic()
         self.last_error: str | None = None
 
@@ -144,6 +167,7 @@ class Reporter:
             # cause and effect (the metrics of step 7, then "rank 1 failed").
             self._tail()
             self.spool.append([(kind, time.time() if when is None else when, data, None)])
+        self._waker.wake()
 
     def close(self, flush_timeout: float) -> bool:
         """Stops the thread, then keeps shipping until all is acknowledged or the time is up.
@@ -152,12 +176,16 @@ class Reporter:
         agent on this run folder.
         """
         self._stop.set()
+        self._waker.wake()
         if self._thread.is_alive():
             self._thread.join()
         deadline = time.monotonic() + flush_timeout
         self._tail()
         delivered = self._ship_all(deadline)
+        if self._connection is not None:
+            self._connection.close()
         self.spool.close()
+        self._waker.close()
         return delivered
 
     @property
@@ -168,12 +196,16 @@ class Reporter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._tail()
+            self._tail()  # also while the control plane is down: an event is safe once spooled
             if self.config.events_url and self.spool.unacked:
-                self._ship_all(deadline=time.monotonic() + self.config.poll_interval)
+                if time.monotonic() >= self._retry_at:  # not while backing off after a failed POST
+                    self._ship_all(deadline=time.monotonic() + self.config.poll_interval)
             elif self.config.events_url and time.monotonic() - self._last_post >= self.config.idle_post_interval:
                 self._post_batch()  # empty: says this agent is alive
-            self._stop.wait(max(self.config.poll_interval, self._backoff))
+            timeout = self.config.poll_interval
+            if self.spool.unacked and self._retry_at > time.monotonic():
+                timeout = min(timeout, self._retry_at - time.monotonic())
+            self._waker.wait(timeout)
 
     def _ship_all(self, deadline: float) -> bool:
         """Ships batch after batch until done, a failure (then backs off) or the deadline."""
@@ -192,16 +224,17 @@ class Reporter:
         with self._lock:
             batch = [wire(e) for e in self.spool.unacked[: self.config.batch_size]]
         body = json.dumps({"source": self.config.source, "events": batch}).encode()
-        request = urllib.request.Request(self.config.events_url or "", data=body, method="POST")
-        request.add_header("Content-Type", "application/json")
+        headers = {"Content-Type": "application/json"}
         if self.config.run_token:
-            request.add_header("Authorization", f"Bearer {self.config.run_token}")
+            headers["Authorization"] = f"Bearer {self.config.run_token}"
         try:
-            with urllib.request.urlopen(request, timeout=self.config.request_timeout) as response:
-                last_seq = int(json.loads(response.read())["last_seq"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # URLError and HTTPError are OSErrors
+            last_seq = self._post(body, headers)
+        except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as exc:
+            if self._connection is not None:
+                self._connection.close()  # whatever state it is in, the next POST starts afresh
             self.last_error = f"{type(exc).__name__}: {exc}"
             self._backoff = min(self.config.backoff_max, max(self.config.backoff_initial, 2 * self._backoff))
+            self._retry_at = time.monotonic() + self._backoff
             return False
         with self._lock:
             self.spool.acknowledge(last_seq)
@@ -209,6 +242,20 @@ class Reporter:
         self._last_post = time.monotonic()
         self.last_error = None
         return True
+
+    def _post(self, body: bytes, headers: dict[str, str]) -> int:
+        """POSTs one batch on the kept-alive connection; returns the server's `last_seq`."""
+        url = urllib.parse.urlsplit(self.config.events_url or "")
+        if self._connection is None:
+            kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+            self._connection = kind(url.netloc, timeout=self.config.request_timeout)
+        path = url.path + (f"?{url.query}" if url.query else "")
+        self._connection.request("POST", path or "/", body=body, headers=headers)
+        response = self._connection.getresponse()
+        payload = response.read()
+        if response.status != 200:
+            raise ValueError(f"HTTP {response.status}: {payload[:200].decode(errors='replace')}")
+        return int(json.loads(payload)["last_seq"])
 
     def _tail(self) -> None:
         with self._lock:

@@ -16,14 +16,18 @@ import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
+import numpy as np
 import torch.distributed as dist
+from tokenizers import Tokenizer
 
 from training.config import RunSpec
-from training.data import prepare_data
+from training.data import PreparedData, prepare_data
 from training.device import activate, device_from_environment
 from training.hooks import build_hooks
 from training.metrics import EventLog
+from training.rankenv import NON_RETRYABLE_EXIT, ErrorClass, RankEnvironment, RankError
 from training.trainer import Trainer
 
 # Gloo's default is 30 minutes: a rank stuck in a collective would hold the whole job that long
@@ -31,6 +35,57 @@ from training.trainer import Trainer
 # loaded CPU host (a checkpoint written by every rank, the first pipeline step's shape exchange).
 # The node agent's heartbeat watchdog catches hangs sooner; this is the backstop inside the ranks.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+class NonRetryable(Exception):
+    """An error that every restart would meet again (bad data, a spec this rank refuses, a broken
+    tokenizer): the rank reports it and the agent fails the run at once instead of retrying."""
+
+    def __init__(self, error_class: ErrorClass, message: str) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+
+
+# What reading a corpus raises when the file itself is wrong: missing, unreadable, not a
+# .txt/.jsonl, not UTF-8, a JSON line without text (ValueError covers the decode errors).
+# Other OSErrors (a full disk, a network file system that hiccups) may pass on a restart.
+_DATA_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def check_tokenizer(spec: RunSpec) -> None:
+    """Loads the spec's tokenizer, if it names one, as `prepare_data` will: a file that does not
+    load, or has more tokens than the model's vocabulary, fails the same way on every attempt."""
+    if not spec.data.tokenizer:
+        return
+    given = Path(spec.data.tokenizer)
+    path = given if given.is_file() else given / "tokenizer.json"
+    try:
+        size = Tokenizer.from_file(str(path)).get_vocab_size()
+    except Exception as exc:  # tokenizers raises a bare Exception for unreadable or invalid files
+        raise NonRetryable("tokenizer", f"data.tokenizer {spec.data.tokenizer}: cannot be loaded: {exc}") from exc
+    if size > spec.model.vocab_size:
+        raise NonRetryable(
+            "tokenizer",
+            f"data.tokenizer {spec.data.tokenizer}: has {size} tokens, more than model.vocab_size={spec.model.vocab_size}",
+        )
+
+
+def prepare_checked(spec: RunSpec, run_dir: Path) -> PreparedData:
+    """`prepare_data`, with the errors of a bad corpus reported as non-retryable."""
+    check_tokenizer(spec)
+    name = spec.data.dataset or "the demo corpus"
+    try:
+        data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, run_dir / "data")
+    except _DATA_ERRORS as exc:
+        raise NonRetryable("data", f"data.dataset {name}: {exc}") from exc
+    tokens = data.tokens_path.stat().st_size // np.dtype(data.dtype).itemsize
+    if tokens < spec.model.seq_len + 1:
+        raise NonRetryable(
+            "data",
+            f"data.dataset {name}: holds {tokens} tokens, fewer than one sequence of model.seq_len + 1 = "
+            f"{spec.model.seq_len + 1}",
+        )
+    return data
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,11 +110,11 @@ def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != spec.layout.world_size:
-        raise SystemExit(
-            f"the spec's layout needs dp·tp·pp = {spec.layout.world_size} ranks; torchrun started {world_size}"
+        raise NonRetryable(
+            "spec", f"layout: dp·tp·pp = {spec.layout.world_size} ranks needed; torchrun started {world_size}"
         )
     # Before the process group: tokenizing a large corpus may take longer than any collective timeout.
-    data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, run_dir / "data")
+    data = prepare_checked(spec, run_dir)
     device = device_from_environment()  # CUDA + NCCL on GPU LOCAL_RANK when there is one, else CPU + gloo
     activate(device)
     if world_size > 1:
@@ -96,14 +151,29 @@ def shutdown(exit_code: int) -> None:
     os._exit(exit_code)
 
 
+def fail_for_good(error: NonRetryable) -> NoReturn:
+    """Reports `error` to the agent (when there is one) and exits with NON_RETRYABLE_EXIT."""
+    print(f"fathom: {error.error_class} error, not retryable: {error}", file=sys.stderr)
+    sys.stderr.flush()
+    env = RankEnvironment.from_environ()
+    if env is not None and env.error_file is not None:
+        RankError(error_class=error.error_class, message=str(error)).write(env.error_file)
+    os._exit(NON_RETRYABLE_EXIT)  # like any failed rank: no teardown waiting on peers
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints a stuck rank's stacks
-    spec_text = args.spec.read_text()
-    spec = RunSpec.from_json(spec_text)
+    try:
+        spec_text = args.spec.read_text()
+        spec = RunSpec.from_json(spec_text)
+    except (OSError, ValueError) as exc:  # SpecError is a ValueError
+        fail_for_good(NonRetryable("spec", f"{args.spec}: {exc}"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         run(spec, args.run_dir, spec_text)
+    except NonRetryable as exc:
+        fail_for_good(exc)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from training.checkpoint import Checkpointer, remove_uncommitted
 from training.checkpoint_paths import latest_checkpoint
+from training.checkpoint_policy import CheckpointPolicy
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.device import CPU, ComputeDevice, device_peak_memory_mb, peak_flops
@@ -239,10 +240,11 @@ class Trainer:
         """Trains from the newest checkpoint to `train.steps`; returns the last step."""
         cfg = self.spec.train
         done = self.resume()
+        policy = CheckpointPolicy.for_run(self.spec, first_step=done, distributed=self.distributed)
         for step in range(done + 1, cfg.steps + 1):
             self.train_step(step)
             self.checkpointer.poll()
-            if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
+            if policy.due(step):
                 self.checkpointer.save(step, self.trainer_state())
         self.checkpointer.close()
         if self.rank == 0:

@@ -51,6 +51,7 @@ def spec_for(data: DataConfig, steps: int, interval: int, **layout: object) -> R
     spec = parity_spec(steps, **layout)
     spec.train.checkpoint_interval = interval
     spec.train.keep_checkpoints = 2
+    spec.train.async_checkpoint = False  # these tests read the event order of synchronous saves
     return RunSpec.from_dict({**spec.to_dict(), "data": vars(data)})
 
 

@@ -1,0 +1,60 @@
+"""When the default (automatic) checkpoint policy saves: Young's rule from the run's own figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from training import checkpoint_policy
+from training.checkpoint_policy import FIRST_INTERVAL_STEPS, MTBF_PRIOR_S, CheckpointPolicy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(policy: CheckpointPolicy, clock: Clock, steps: range, step_s: float, save_s: float) -> list[int]:
+    """Drives `policy` as Trainer.fit does; a save adds `save_s` to the step after it."""
+    saved: list[int] = []
+    for step in steps:
+        clock.now += step_s
+        if saved and saved[-1] == step - 1:
+            clock.now += save_s
+        if policy.due(step):
+            saved.append(step)
+    return saved
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(checkpoint_policy.time, "perf_counter", clock)
+    return clock
+
+
+def test_a_fixed_interval_saves_every_n_steps_and_the_last(clock: Clock) -> None:
+    policy = CheckpointPolicy(interval=4, total_steps=10, first_step=0, attempt=0, distributed=False)
+    assert run(policy, clock, range(1, 11), step_s=0.1, save_s=0.5) == [4, 8, 10]
+
+
+def test_before_any_failure_the_interval_follows_the_prior_failure_rate(clock: Clock) -> None:
+    policy = CheckpointPolicy(interval=0, total_steps=100_000, first_step=0, attempt=0, distributed=False)
+    saved = run(policy, clock, range(1, 2000), step_s=0.1, save_s=0.02)
+    assert saved[0] == FIRST_INTERVAL_STEPS
+    young = math.sqrt(2 * 0.02 * MTBF_PRIOR_S)  # 12 s: 120 steps of 0.1 s
+    assert policy.young_interval == pytest.approx(young, rel=0.01)
+    assert saved[1] - saved[0] == round(young / 0.1)
+
+
+def test_after_restarts_the_interval_follows_the_runs_own_failure_rate(clock: Clock) -> None:
+    # Resumed at step 6000 after 10 restarts: ~600 s of training, a failure every ~60 s.
+    policy = CheckpointPolicy(interval=0, total_steps=100_000, first_step=6000, attempt=10, distributed=False)
+    assert run(policy, clock, range(6001, 6012), step_s=0.1, save_s=0.02) == [6010]
+    young = math.sqrt(2 * 0.02 * (6011 * 0.1 / 10))  # planned at the step after the save
+    assert policy.young_interval == pytest.approx(young, rel=0.01)
+    assert policy.next_step == 6010 + round(young / 0.1)

@@ -1,0 +1,102 @@
+"""When a run checkpoints: every `train.checkpoint_interval` steps, or, at 0 (the default), by
+Young's rule from what this run measures.
+
+A failure loses the work since the last checkpoint (half an interval on average), and every
+checkpoint costs the training loop C seconds; with a failure every M seconds, the interval that
+loses least in all is τ = √(2·C·M) (J. W. Young, 1974). A fixed number of steps cannot be that:
+the same spec steps 5× slower on a busy host, and a save costs more on a larger model. So:
+
+* C is measured: the wall time of the step that followed a save, beyond the median step (what
+  the save, or its background copy, took from the loop);
+* M is the run's own: until its first restart `MTBF_PRIOR_S`; then the training time per
+  restart so far (steps done × median step time ÷ restarts), which a run failing every minute
+  learns within a few failures and a healthy run never lowers.
+
+Saves are collective, so every rank must pick the same steps: the next interval is agreed once
+per save, by one all-reduce (max) of every rank's figures at the step after it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from training.config import RunSpec
+from training.rankenv import RankEnvironment
+
+# The failure rate assumed until the run has seen one: an hourly failure is the planning figure
+# of large jobs (Llama 3 405B: one interruption every ~3 h on 16k GPUs); smaller jobs fail less,
+# and with background saves an interval chosen too short costs only C per save.
+MTBF_PRIOR_S = 3600.0
+# Steps before the first save of an attempt: enough to know the step time, and the first save
+# measures C.
+FIRST_INTERVAL_STEPS = 10
+# However rare failures are, a run keeps at most this much work at risk.
+MAX_INTERVAL_S = 3600.0
+# Step times remembered for the median (a restart's slow first steps age out).
+_WINDOW = 64
+
+
+class CheckpointPolicy:
+    """`due(step)` is called on every rank after each step; True: save now."""
+
+    def __init__(self, *, interval: int, total_steps: int, first_step: int, attempt: int, distributed: bool) -> None:
+        self.interval = interval  # train.checkpoint_interval; 0: Young's rule
+        self.total_steps = total_steps
+        self.attempt = attempt  # restarts of the job so far (FATHOM_ATTEMPT)
+        self.distributed = distributed
+        self.next_step = first_step + FIRST_INTERVAL_STEPS
+        self.save_cost: float | None = None  # C, agreed over the ranks, seconds
+        self.young_interval: float | None = None  # τ, seconds
+        self._step_times: deque[float] = deque(maxlen=_WINDOW)
+        self._last: float | None = None
+        self._saved_step: int | None = None
+
+    @classmethod
+    def for_run(cls, spec: RunSpec, *, first_step: int, distributed: bool) -> CheckpointPolicy:
+        """The policy of `spec`, for an attempt that resumed at `first_step`."""
+        env = RankEnvironment.from_environ()
+        return cls(
+            interval=spec.train.checkpoint_interval,
+            total_steps=spec.train.steps,
+            first_step=first_step,
+            attempt=env.attempt if env is not None else 0,
+            distributed=distributed,
+        )
+
+    def due(self, step: int) -> bool:
+        now = time.perf_counter()
+        if self._last is not None:
+            gap = now - self._last
+            if self._saved_step == step - 1 and self._step_times:
+                self._plan(step, extra=max(0.0, gap - statistics.median(self._step_times)))
+            else:
+                self._step_times.append(gap)
+        self._last = now
+        if step == self.total_steps:
+            return True
+        if self.interval:
+            return step % self.interval == 0
+        if step >= self.next_step:
+            self._saved_step = step
+            return True
+        return False
+
+    def _plan(self, step: int, extra: float) -> None:
+        """Sets the next save's step from C (this save's cost) and M; same result on every rank."""
+        step_s = statistics.median(self._step_times)
+        figures = torch.tensor([extra, step_s], dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        cost, step_s = float(figures[0]), max(float(figures[1]), 1e-6)
+        self.save_cost = cost
+        mtbf = MTBF_PRIOR_S if self.attempt == 0 else step * step_s / self.attempt
+        tau = min(MAX_INTERVAL_S, math.sqrt(2 * max(cost, 1e-4) * mtbf))
+        self.young_interval = tau
+        self.next_step = step - 1 + max(1, round(tau / step_s))
+        self._saved_step = None
