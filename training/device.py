@@ -3,7 +3,7 @@
 A rank uses CUDA with NCCL when torch sees a GPU, its own GPU being `LOCAL_RANK` (torchrun's index
 of the process on its node); otherwise the CPU with gloo. Everything device-specific the trainer
 needs goes through `ComputeDevice`: the mesh's device type, where tensors go, autocast's device,
-the MFU denominator and the memory figure.
+the MFU denominator (`peak_flops`) and the memory figure.
 """
 
 from __future__ import annotations
@@ -71,11 +71,12 @@ def table_peak_flops(device_name: str) -> float | None:
 
 
 def peak_flops(device: ComputeDevice, precision: str, cache_dir: Path | None = None) -> float:
-    """The per-rank FLOP/s that MFU divides by.
+    """The per-rank FLOP/s that MFU divides by, in the run's precision.
 
-    CPU: the best measured fp32 matmul (metrics.measure_matmul_peak). CUDA in bf16: the data sheet's
-    peak for a known GPU; otherwise (fp32, or a GPU not in the table) a matmul probe on the GPU in
-    the run's precision.
+    CPU: the best measured matmul in the run's dtype on this process's threads
+    (metrics.measure_matmul_peak), so a bf16 run is not divided by the fp32 peak, nor a
+    two-thread rank by a one-thread peak. CUDA in bf16: the data sheet's peak for a known GPU;
+    otherwise (fp32, or a GPU not in the table) a matmul probe on the GPU in the run's precision.
 
     A probe takes about half a second, and a restarted job waits for it: with `cache_dir` (the run's),
     the figure measured on this host is kept there and read back by later attempts, which also keeps
@@ -83,8 +84,11 @@ def peak_flops(device: ComputeDevice, precision: str, cache_dir: Path | None = N
     """
     if cache_dir is None:
         return _peak_flops(device, precision)
-    name = device.torch_device.type if device.type == "cpu" else torch.cuda.get_device_name(device.torch_device)
-    cache = cache_dir / f"{socket.gethostname()}-{name.replace(' ', '_')}-{precision}.json"
+    if device.type == "cpu":
+        name = f"cpu-{torch.get_num_threads()}threads"
+    else:
+        name = torch.cuda.get_device_name(device.torch_device).replace(" ", "_")
+    cache = cache_dir / f"{socket.gethostname()}-{name}-{precision}.json"
     try:
         return float(json.loads(cache.read_text())["flops"])
     except (OSError, ValueError, KeyError):
@@ -97,14 +101,21 @@ def peak_flops(device: ComputeDevice, precision: str, cache_dir: Path | None = N
     return flops
 
 
+def precision_dtype(precision: str) -> torch.dtype:
+    """The dtype the matmuls of a run in `precision` ("fp32" or "bf16") compute in."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 def _peak_flops(device: ComputeDevice, precision: str) -> float:
+    dtype = precision_dtype(precision)
     if device.type == "cpu":
-        return measure_matmul_peak()
+        # A CPU without bf16 instructions runs bf16 matmuls ~100x slower than fp32 (≈1 GFLOP/s per
+        # core on AVX2), so a 1024² sample would take seconds; 512² reaches the same rate.
+        return measure_matmul_peak(n=512 if dtype == torch.bfloat16 else 1024, dtype=dtype)
     if precision == "bf16":
         listed = table_peak_flops(torch.cuda.get_device_name(device.torch_device))
         if listed is not None:
             return listed
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     return measure_matmul_peak(n=4096, device=device.torch_device, dtype=dtype)
 
 

@@ -47,6 +47,7 @@ from training.config import (
     SpecError,
     TrainConfig,
 )
+from training.metrics import flops_per_token
 
 GiB = float(2**30)
 
@@ -228,12 +229,10 @@ def num_params(m: ModelConfig) -> int:
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token used for MFU: 6 per weight except the embedding (a lookup, not a
-    matmul) plus 12·L·h·s for attention scores and values, counted as if not causal. Exactly
-    `training.model.flops_per_token`, so the planner's MFU is the one the trainer reports; NVIDIA's
-    published Llama 3.1 MFUs use the same formula without the norm weights (< 0.01 % apart)."""
-    s = Shape.of(m)
-    return 6.0 * (num_params(m) - s.V * s.h) + 12.0 * s.L * s.h * s.s
+    """Training FLOPs per token used for MFU: `training.metrics.flops_per_token` itself (6 per matmul
+    weight, causal attention's score and value matmuls at half their unmasked 12·L·h·s), so the
+    planner's MFU is the one the trainer reports."""
+    return flops_per_token(m)
 
 
 # --- Activations ----------------------------------------------------------------------------------

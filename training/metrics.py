@@ -8,7 +8,11 @@ Event contract (one JSON object per line, appended and flushed line by line):
     {"kind": "resumed", "time": t, "step": n}        # started from the checkpoint of step n
     {"kind": "finished", "time": t, "step": n}
 
-`memory_mb` is rank 0's peak: process memory on CPU, allocated GPU memory on CUDA (training/device.py).
+`tokens_per_s` is the step's tokens over the wall time since the previous step ended (the step's
+own time for the first step of an attempt), so whatever runs between steps (a checkpoint save, hooks)
+lowers it as it lowers what a user gets; `step_time` is the step alone. `mfu` is `mfu(tokens_per_s,
+…)`: the same function as bench.train_throughput's and the planner's FLOP count. `memory_mb` is rank
+0's peak: process memory on CPU, allocated GPU memory on CUDA (training/device.py).
 
 Rank 0 also prints one line per step (`step_line`), on resume and on each committed checkpoint to
 stdout, flushed: the node agent captures it as the run's log, which users follow live.
@@ -20,11 +24,13 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
+from training.config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where a probe runs: the planner and control plane use this module without it
+    import torch
 
 METRIC_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "memory_mb")
 
@@ -63,23 +69,48 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward, 3× the forward) that MFU counts.
+
+    Weights: 6 per weight in a matmul, i.e. every weight but the embedding (a lookup) and the norm
+    gains. Attention's score and value matmuls: per layer and token, QKᵀ and PV cost 2·seq·dim
+    each in the forward without a mask, so 12·dim·seq for forward + backward (PaLM, appendix B);
+    the model's mask is causal, so a query meets on average half the keys and Fathom counts half
+    of that: 6·layers·dim·seq (as FlashAttention's own causal FLOP count does).
+    """
+    matmul_weights = cfg.num_params() - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
+    return 6.0 * matmul_weights + 6.0 * cfg.n_layers * cfg.dim * cfg.seq_len
+
+
+def mfu(tokens_per_s: float, model: ModelConfig, peak_flops: float) -> float:
+    """Model FLOPs utilisation: `model`'s FLOP/s at `tokens_per_s` (flops_per_token) over
+    `peak_flops`, the peak of all the ranks doing the work in the run's precision (training/device.py:
+    measured on CPU, the data sheet's on a known GPU). The dashboard, the rank's log line and
+    bench.train_throughput all compute it here."""
+    return tokens_per_s * flops_per_token(model) / peak_flops if peak_flops > 0 else 0.0
+
+
 def measure_matmul_peak(
     n: int = 1024,
     seconds: float = 0.5,
-    clock: Callable[[], float] = time.perf_counter,
     device: torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> float:
-    """Best FLOP/s of an n×n matmul (fp32 unless `dtype`) on this process's threads or `device`:
-    the denominator of MFU where no data-sheet peak applies.
+    """Best wall-clock FLOP/s of an n×n matmul in `dtype` (fp32 by default) on this process's
+    current threads (`torch.get_num_threads()`) or on `device`: the denominator of MFU where no
+    data-sheet peak applies.
 
     A vendor's peak assumes every core at full vector throughput; the measured best of a large
     matmul is what the model's own matmuls could at most reach here, so MFU reads as a fraction of
-    the achievable. The best, not the mean, of repeated runs discounts interference from others;
-    `clock=time.thread_time` counts only the time this thread ran (a busy shared host). On a GPU
-    each matmul is waited for, since kernels launch asynchronously.
+    the achievable. The best, not the mean, of repeated runs discounts interference from others,
+    which would otherwise lower the peak and flatter MFU. Timed with `time.perf_counter` like the
+    steps it is compared with. On a GPU each matmul is waited for, since kernels launch
+    asynchronously.
     """
+    import torch
+
     device = device or torch.device("cpu")
+    dtype = dtype or torch.float32
 
     def wait() -> None:
         if device.type == "cuda":
@@ -91,18 +122,13 @@ def measure_matmul_peak(
     best = 0.0
     deadline = time.perf_counter() + seconds
     while True:
-        start = clock()
+        start = time.perf_counter()
         torch.mm(a, b)
         wait()
-        elapsed = clock() - start
+        elapsed = time.perf_counter() - start
         best = max(best, 2.0 * n**3 / elapsed)
         if time.perf_counter() > deadline:
             return best
-
-
-def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over the peak of the ranks doing the work."""
-    return tokens_per_s * flops_per_token / peak_flops if peak_flops > 0 else 0.0
 
 
 def peak_memory_mb() -> float:

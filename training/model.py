@@ -155,10 +155,3 @@ class Transformer(nn.Module):
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss; logits (B, T, vocab), targets (B, T). fp32 for a stable softmax."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token: 6 per weight (forward + backward) plus attention's score and value
-    matmuls (12·layers·dim·seq, PaLM appendix B). The embedding lookup is not a matmul and is left out."""
-    weights = cfg.num_params() - cfg.vocab_size * cfg.dim
-    return 6.0 * weights + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len

@@ -29,7 +29,8 @@ from training.layout_costs import (
     saved_per_token,
     stage_params,
 )
-from training.model import Transformer, cross_entropy_loss, flops_per_token
+from training.metrics import flops_per_token
+from training.model import Transformer, cross_entropy_loss
 from training.planner import fit_reason
 
 H100_128 = Cluster(device=DEVICES["h100"], nodes=128, devices_per_node=8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import torch
@@ -36,6 +37,23 @@ def test_gpu_peaks_come_from_the_data_sheet_by_device_name() -> None:
 
 def test_the_cpu_peak_is_a_measured_matmul_rate() -> None:
     assert peak_flops(CPU, "fp32") > 0
+    assert peak_flops(CPU, "bf16") > 0
+
+
+def test_a_cpu_peak_is_measured_in_the_runs_precision_on_its_thread_count(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    try:
+        fp32 = peak_flops(CPU, "fp32", tmp_path)
+        bf16 = peak_flops(CPU, "bf16", tmp_path)
+        torch.set_num_threads(2)
+        peak_flops(CPU, "fp32", tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    names = sorted(path.name.removeprefix(f"{socket.gethostname()}-") for path in tmp_path.iterdir())
+    assert names == sorted(
+        {f"cpu-{threads}threads-fp32.json", f"cpu-{threads}threads-bf16.json", "cpu-2threads-fp32.json"}
+    )
+    assert fp32 != bf16  # two probes, not one figure under two names
 
 
 def test_a_restarted_run_reads_the_peak_its_first_attempt_measured_on_this_host(tmp_path: Path) -> None:
