@@ -146,6 +146,7 @@ class HttpClient:
                     total=None, sock_connect=self.timeouts.connect_s, sock_read=self.timeouts.read_s
                 ),
                 trust_env=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # replicas set none; skips a filter per request
             )
         return self._session
 

@@ -89,10 +89,17 @@ GATEWAYS = Gateways()
 
 class KeyCache:
     """Checked keys by their SHA-256, each trusted for KEY_CACHE_S. Unknown keys are not kept
-    (anyone can send those), so they always go to the database."""
+    (anyone can send those), so they always go to the database.
+
+    One lookup per key at a time: requests that arrive while a key is being checked wait for
+    that check instead of starting their own. A burst of a hundred chats on one key (a cold
+    cache, or every KEY_CACHE_S) otherwise queued a hundred lookups on the one thread Django's
+    database calls share, each opening and closing a connection, while holding the GIL the
+    event loop needed to relay the streams already running (bench.serving's burst)."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[float, Served]] = {}
+        self._checking: dict[str, asyncio.Future[Served | None]] = {}
 
     async def served_for(self, authorization: str) -> Served | None:
         raw = authorization.removeprefix("Bearer ").strip() if authorization.startswith("Bearer ") else ""
@@ -102,7 +109,18 @@ class KeyCache:
         entry = self._entries.get(digest)
         if entry is not None and entry[0] > time.monotonic():
             return entry[1]
-        served = await _served_for_key(raw, digest)
+        check = self._checking.get(digest)
+        if check is None or check.get_loop() is not asyncio.get_running_loop():
+            check = self._checking[digest] = asyncio.ensure_future(self._check(raw, digest))
+        # shield: a caller that goes away (its client hung up) does not cancel the others' check.
+        return await asyncio.shield(check)
+
+    async def _check(self, raw: str, digest: str) -> Served | None:
+        try:
+            served = await _served_for_key(raw, digest)
+        finally:
+            if self._checking.get(digest) is asyncio.current_task():  # not a later loop's check
+                del self._checking[digest]
         if served is None:
             self._entries.pop(digest, None)
         else:

@@ -7,6 +7,7 @@ would. Serving real vLLM replicas through this endpoint is tested in test_servin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -149,3 +150,27 @@ def test_a_revoked_key_is_refused_once_its_cache_entry_expires(keys, monkeypatch
 def test_unknown_paths_and_wrong_methods_answer_in_openai_shape(keys):
     assert_openai_error(post("/v1/embeddings", {"model": "alice-model"}, keys["alice"]), 404, "unknown_url")
     assert_openai_error(call("GET", "/v1/chat/completions", key=keys["alice"]), 405, "method_not_allowed")
+
+
+def test_a_burst_on_one_key_checks_it_once_and_lets_every_request_in(keys, monkeypatch):
+    lookups = []
+    check = openai._served_for_key
+
+    async def counted(raw, digest):
+        lookups.append(raw)
+        return await check(raw, digest)
+
+    monkeypatch.setattr(openai, "_served_for_key", counted)
+    headers = {"Authorization": f"Bearer {keys['alice']}"}
+
+    async def burst() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            return await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=chat("alice-model"), headers=headers) for _ in range(20))
+            )
+
+    responses = async_to_sync(burst)()
+    for response in responses:  # let in, then answered: this deployment has no live replica
+        assert_openai_error(response, 503)
+    assert lookups == [keys["alice"]]
