@@ -2,15 +2,18 @@ from django.contrib.auth import authenticate
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.authtoken.models import Token
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.api import Text
+
 
 class LoginSerializer(serializers.Serializer):
-    username = serializers.CharField()
-    password = serializers.CharField(style={"input_type": "password"})
+    username = Text()
+    password = Text(style={"input_type": "password"})
 
 
 class TokenView(APIView):
@@ -18,6 +21,8 @@ class TokenView(APIView):
 
     permission_classes = [AllowAny]
     authentication_classes: list = []
+    # Scripts log in with `curl -d username=… -d password=…` (or -F) as readily as with JSON.
+    parser_classes = [JSONParser, FormParser, MultiPartParser]
 
     @extend_schema(
         request=LoginSerializer,

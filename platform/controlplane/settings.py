@@ -223,11 +223,15 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
-    "PAGE_SIZE": 100,
+    "DEFAULT_SCHEMA_CLASS": "controlplane.schema.Schema",
+    "DEFAULT_PAGINATION_CLASS": "controlplane.api.Pagination",
+    # The API reads JSON; the one upload (a dataset file) declares its multipart parser itself.
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
 }
 SPECTACULAR_SETTINGS = {
+    # Requests and responses get components of their own, so read-only fields (id, status, …)
+    # never appear in what a client is told to send.
+    "COMPONENT_SPLIT_REQUEST": True,
     "TITLE": "Fathom API",
     "DESCRIPTION": "Train language models with hybrid parallelism and serve them with vLLM.",
     "VERSION": "0.1.0",

@@ -11,3 +11,6 @@ urlpatterns = [
     path("api/", include("deployments.urls")),
     path("", include("dashboard.urls")),
 ]
+
+handler404 = "controlplane.errors.not_found"
+handler500 = "controlplane.errors.server_error"

@@ -4,17 +4,18 @@ from typing import Any
 
 from rest_framework import serializers
 
+from controlplane.api import ModelSerializer
 from deployments.models import ApiKey, Deployment, DeploymentEvent, Replica
 from runs.models import Checkpoint
 
 
-class ReplicaSerializer(serializers.ModelSerializer):
+class ReplicaSerializer(ModelSerializer):
     class Meta:
         model = Replica
         fields = ["index", "url", "status", "restarts", "updated_at"]
 
 
-class DeploymentSerializer(serializers.ModelSerializer):
+class DeploymentSerializer(ModelSerializer):
     checkpoint = serializers.PrimaryKeyRelatedField(queryset=Checkpoint.objects.none())
     replicas = serializers.IntegerField(min_value=1, max_value=16, default=1)
     options = serializers.JSONField(default=dict, help_text="vLLM options (see serving.vllm).")
@@ -37,13 +38,13 @@ class DeploymentSerializer(serializers.ModelSerializer):
         return fields
 
 
-class DeploymentEventSerializer(serializers.ModelSerializer):
+class DeploymentEventSerializer(ModelSerializer):
     class Meta:
         model = DeploymentEvent
         fields = ["seq", "kind", "time", "data"]
 
 
-class ApiKeySerializer(serializers.ModelSerializer):
+class ApiKeySerializer(ModelSerializer):
     class Meta:
         model = ApiKey
         fields = ["id", "name", "lookup", "created_at", "last_used_at", "revoked"]

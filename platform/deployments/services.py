@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from deployments.models import ApiKey, Deployment, DeploymentEvent
 from runs.models import Checkpoint
-from runs.services import InvalidInput
+from runs.services import InvalidInput, WrongState
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 
@@ -74,7 +74,7 @@ def do_stop_deployment(deployment: Deployment) -> Deployment:
         if not Deployment.objects.filter(pk=deployment.pk, status__in=Deployment.ACTIVE).update(
             status=Deployment.Status.STOPPING
         ):
-            raise InvalidInput("status", f"only active deployments can be stopped; this one is {deployment.status}")
+            raise WrongState("status", f"only active deployments can be stopped; this one is {deployment.status}")
         do_record(deployment, "stopping", {})
         transaction.on_commit(lambda: _enqueue_stop(deployment.pk))
     deployment.refresh_from_db()

@@ -34,6 +34,7 @@ class DeploymentViewSet(
     """Checkpoints served by vLLM replicas. Another user's deployment answers 404."""
 
     serializer_class = DeploymentSerializer
+    conflict_actions = ("stop",)  # a deployment already stopped or failed answers 409
 
     def get_queryset(self) -> QuerySet[Deployment]:
         return owned(self, Deployment.objects.prefetch_related("replica_set"))
@@ -65,7 +66,7 @@ class DeploymentViewSet(
         parameters=[OpenApiParameter("after", int, description="Only events with a larger seq.")],
         responses=DeploymentEventSerializer(many=True),
     )
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None)  # pages with ?after=, as a run's events do
     def events(self, request: Request, pk: str) -> Response:
         return events_after_response(request, self.get_object().events.all(), DeploymentEventSerializer)
 
@@ -87,10 +88,12 @@ class DeploymentViewSet(
     @extend_schema(
         methods=["post"],
         request=ApiKeySerializer,
-        responses=inline_serializer("NewApiKey", {"id": serializers.IntegerField(), "key": serializers.CharField()}),
+        responses={
+            201: inline_serializer("NewApiKey", {"id": serializers.IntegerField(), "key": serializers.CharField()})
+        },
     )
     @extend_schema(methods=["get"], responses=ApiKeySerializer(many=True))
-    @action(detail=True, methods=["get", "post"], url_path="keys")
+    @action(detail=True, methods=["get", "post"], url_path="keys", pagination_class=None)
     def keys(self, request: Request, pk: str) -> Response:
         """GET lists the deployment's keys; POST creates one and shows its secret this once."""
         deployment = self.get_object()

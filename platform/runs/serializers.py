@@ -4,6 +4,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from controlplane.api import Conflict, ModelSerializer, Text
 from runs import services
 from runs.models import Checkpoint, Dataset, Run, RunEvent
 from training.config import RECIPES
@@ -16,15 +17,18 @@ def nested_error(field: str, message: str) -> dict[str, Any]:
 
 
 def raise_invalid(exc: services.InvalidInput) -> None:
+    """A 400 naming the field, or a 409 where the object's state is what refuses the change."""
+    if isinstance(exc, services.WrongState):
+        raise Conflict(exc.field, exc.message)
     raise serializers.ValidationError(nested_error(exc.field, exc.message))
 
 
-class DatasetSerializer(serializers.ModelSerializer):
+class DatasetSerializer(ModelSerializer):
     file = serializers.FileField(write_only=True, required=False, help_text="A .txt or .jsonl file.")
-    path = serializers.CharField(
+    path = Text(
         required=False, help_text="Administrators only: a .txt or .jsonl file on the server, instead of an upload."
     )
-    name = serializers.CharField(required=False, allow_blank=True, max_length=200)
+    name = Text(required=False, allow_blank=True, max_length=200)
 
     class Meta:
         model = Dataset
@@ -46,7 +50,7 @@ class DatasetSerializer(serializers.ModelSerializer):
             raise
 
 
-class RunSerializer(serializers.ModelSerializer):
+class RunSerializer(ModelSerializer):
     recipe = serializers.ChoiceField(
         choices=list(RECIPES),
         default="tiny",
@@ -54,8 +58,8 @@ class RunSerializer(serializers.ModelSerializer):
         help_text="Defaults the spec starts from.",
         error_messages={"invalid_choice": f"must be one of {', '.join(RECIPES)}; got \"{{input}}\""},
     )
-    spec = serializers.JSONField(
-        default=dict, help_text="Overrides of the recipe: sections model, layout, train, nodes, faults."
+    spec = serializers.DictField(
+        default=dict, help_text="Overrides of the recipe: sections model, layout, train, data, nodes, faults."
     )
     dataset = serializers.PrimaryKeyRelatedField(
         queryset=Dataset.objects.none(),
@@ -116,13 +120,24 @@ class RunSerializer(serializers.ModelSerializer):
             raise
 
 
-class RunEventSerializer(serializers.ModelSerializer):
+class CloneSerializer(serializers.Serializer):
+    """What a clone changes of its source run; anything left out is the source's."""
+
+    name = Text(required=False, allow_blank=True, max_length=200)
+    spec = serializers.DictField(required=False, help_text="Merged over the source's spec, section by section.")
+    dataset = serializers.IntegerField(required=False, allow_null=True, help_text="One of your datasets (its id).")
+    tokenizer_run = serializers.IntegerField(
+        required=False, allow_null=True, help_text="One of your runs (its id) whose tokenizer the clone reuses."
+    )
+
+
+class RunEventSerializer(ModelSerializer):
     class Meta:
         model = RunEvent
         fields = ["seq", "source", "source_seq", "kind", "time", "data"]
 
 
-class CheckpointSerializer(serializers.ModelSerializer):
+class CheckpointSerializer(ModelSerializer):
     class Meta:
         model = Checkpoint
         fields = ["id", "run", "step", "path", "export_path", "created_at", "pruned_at"]
@@ -130,7 +145,7 @@ class CheckpointSerializer(serializers.ModelSerializer):
 
 class IngestEventSerializer(serializers.Serializer):
     seq = serializers.IntegerField(min_value=1)
-    kind = serializers.CharField(max_length=32)
+    kind = Text(max_length=32)
     time = serializers.FloatField(required=False)
     # Declared fields leave the class body, so this does not replace Serializer.data at run time.
     data = serializers.DictField(required=False, default=dict)  # type: ignore[assignment]

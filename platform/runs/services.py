@@ -41,6 +41,10 @@ class InvalidInput(ValueError):
         self.message = message
 
 
+class WrongState(InvalidInput):
+    """A change the object's current state does not allow; the API answers 409."""
+
+
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     merged = copy.deepcopy(base)
     for key, value in override.items():
@@ -246,7 +250,7 @@ def _enqueue_export(checkpoint_id: int) -> None:
 def do_cancel_run(run: Run) -> Run:
     """Asks the run to stop. A queued run stops at once; a live one when its agent says so."""
     if not run.is_active:
-        raise InvalidInput("status", f"only queued, starting, running or restarting runs can be cancelled; this one is {run.status}")
+        raise WrongState("status", f"only queued, starting, running or restarting runs can be cancelled; this one is {run.status}")
     with transaction.atomic():
         # Claim a queued run before its launch task does: whichever UPDATE matches wins.
         if Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED).update(
@@ -274,7 +278,7 @@ def do_resume_run(run: Run) -> Run:
             status=Run.Status.QUEUED, resume=True, cancel_requested=False, status_reason="", finished_at=None
         )
         if not claimed:
-            raise InvalidInput("status", f"only failed or cancelled runs can be resumed; this one is {run.status}")
+            raise WrongState("status", f"only failed or cancelled runs can be resumed; this one is {run.status}")
         _record(run, "queued", {"status": Run.Status.QUEUED, "resume": True})
         transaction.on_commit(lambda: _enqueue_launch(run.pk))
     run.refresh_from_db()

@@ -9,6 +9,7 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -18,6 +19,7 @@ from runs import logs, services
 from runs.models import Checkpoint, Dataset, Run
 from runs.serializers import (
     CheckpointSerializer,
+    CloneSerializer,
     DatasetSerializer,
     IngestSerializer,
     RunEventSerializer,
@@ -56,6 +58,8 @@ class DatasetViewSet(
     mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
 ):
     serializer_class = DatasetSerializer
+    # A file arrives as a multipart upload; an administrator's server path as JSON.
+    parser_classes = [MultiPartParser, JSONParser]
 
     def get_queryset(self) -> QuerySet[Dataset]:
         return owned(self, Dataset.objects.all())
@@ -65,6 +69,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
     """Training runs. Another user's run answers 404, as if it did not exist."""
 
     serializer_class = RunSerializer
+    conflict_actions = ("cancel", "resume")  # a run already past the state they start from answers 409
 
     def get_queryset(self) -> QuerySet[Run]:
         runs = owned(self, Run.objects.all())
@@ -89,12 +94,14 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
     def resume(self, request: Request, pk: str) -> Response:
         return self._change(request, services.do_resume_run)
 
-    @extend_schema(request=RunSerializer, responses=RunSerializer)
+    @extend_schema(request=CloneSerializer, responses={201: RunSerializer})
     @action(detail=True, methods=["post"])
     def clone(self, request: Request, pk: str) -> Response:
         """A new run from this one's spec, with the edits in the body merged over it."""
         source = self.get_object()
-        edits: dict[str, Any] = request.data if isinstance(request.data, dict) else {}
+        body_check = CloneSerializer(data=request.data)
+        body_check.is_valid(raise_exception=True)
+        edits: dict[str, Any] = body_check.validated_data
         # The source's data section holds only what the launcher filled in; the clone names its
         # data through the same objects (or the edits' own), never through a stored path.
         spec = {section: values for section, values in source.spec.items() if section != "data"}
@@ -131,7 +138,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
     # A run keeps a handful of checkpoints (train.keep_checkpoints prunes the rest), so they come
     # as one list, not in pages.
     @extend_schema(responses=CheckpointSerializer(many=True))
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None)
     def checkpoints(self, request: Request, pk: str) -> Response:
         run = self.get_object()
         return Response(CheckpointSerializer(run.checkpoints.all(), many=True).data)
@@ -174,7 +181,10 @@ class RunEventsView(APIView):
 
     @extend_schema(
         request=IngestSerializer,
-        responses=inline_serializer("IngestAck", {"last_seq": serializers.IntegerField()}),
+        responses={
+            200: inline_serializer("IngestAck", {"last_seq": serializers.IntegerField()}),
+            401: inline_serializer("RunTokenRequired", {"detail": serializers.CharField()}),
+        },
     )
     def post(self, request: Request, run_id: int) -> Response:
         run = Run.objects.filter(pk=run_id).first()

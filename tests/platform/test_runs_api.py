@@ -83,17 +83,39 @@ def test_cancelling_a_queued_run_cancels_it_at_once(alice_api):
     response = alice_api.post(f"/api/runs/{run['id']}/cancel/")
     assert response.json()["status"] == "cancelled"
     again = alice_api.post(f"/api/runs/{run['id']}/cancel/")
-    assert again.status_code == 400
-    assert "cancelled" in again.json()["status"][0]
+    assert again.status_code == 409  # the run's state, not the request, refuses it
+    assert "this one is cancelled" in again.json()["status"][0]
 
 
 def test_a_cancelled_run_can_be_resumed_and_a_queued_one_cannot(alice_api):
     run = create_run(alice_api).json()
-    assert alice_api.post(f"/api/runs/{run['id']}/resume/").status_code == 400
+    refused = alice_api.post(f"/api/runs/{run['id']}/resume/")
+    assert refused.status_code == 409
+    assert "only failed or cancelled runs can be resumed; this one is queued" in refused.json()["status"][0]
     alice_api.post(f"/api/runs/{run['id']}/cancel/")
     resumed = alice_api.post(f"/api/runs/{run['id']}/resume/").json()
     assert resumed["status"] == "queued"
     assert Run.objects.get(pk=run["id"]).resume is True
+
+
+def test_a_page_size_past_the_limit_or_not_a_number_is_refused_naming_the_parameter(alice_api):
+    create_run(alice_api)
+    assert alice_api.get("/api/runs/?limit=1000").json()["count"] == 1
+    for query, message in [
+        ("limit=9223372036854775808", "limit: must be an integer from 1 to 1000; got 9223372036854775808"),
+        ("limit=0", "limit: must be an integer from 1 to 1000; got 0"),
+        ("offset=-1", "offset: must be an integer ≥ 0; got -1"),
+        ("offset=null", "offset: must be an integer ≥ 0; got 'null'"),
+    ]:
+        response = alice_api.get(f"/api/runs/?{query}")
+        assert response.status_code == 400, query
+        field, _, text = message.partition(": ")
+        assert response.json() == {field: [text]}
+
+
+def test_a_path_that_names_no_route_answers_json_under_the_api(alice_api):
+    response = alice_api.get("/api/runs/not-a-number/")
+    assert (response.status_code, response.json()) == (404, {"detail": "Not found."})
 
 
 def test_clone_merges_edits_and_validates_them(alice_api):
@@ -204,3 +226,9 @@ def test_the_agent_reads_the_run_token_it_is_launched_with_even_one_starting_wit
     for token in ("-dash-first_token", "plain-token"):
         args = _parse_args(agent_arguments(run, run.folder, 0, "127.0.0.1:29400", token))
         assert args.run_token == token
+
+
+def test_a_number_where_the_schema_says_string_is_refused(alice_api):
+    response = create_run(alice_api, name=0)
+    assert response.status_code == 400
+    assert response.json()["name"] == ["Not a valid string."]
