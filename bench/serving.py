@@ -1,15 +1,21 @@
 """What Fathom's router costs, and what vLLM buys over plain `transformers.generate`.
 
-    python -m bench.serving [--concurrency 32] [--tokens 64] [--rounds 5]
+    python -m bench.serving [--concurrency 32] [--tokens 64] [--rounds 5] [--burst 100]
 
-One deployment (one vLLM replica of a small Llama, CPU, float32), reached three ways in turn,
-each round: straight at the replica, through the standalone router (`serving.app`, uvicorn), and
-through the control plane's `/v1` (its web process, as `make run` starts it, with an API key).
-The load is what vLLM's own serving benchmark calls max concurrency: `concurrency` clients, each
-streaming one completion of `tokens` tokens after another until `4 × concurrency` are done. It
-prints output tokens/s and TTFT p50 for each way, and the routed ÷ direct ratios (median of the
-per-round ratios). Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of `concurrency`
-left-padded prompts, greedy) on the same checkpoint gives the vLLM ÷ transformers ratio.
+One deployment (one vLLM replica of a small Llama, CPU, float32, the product's default
+`max_num_seqs`), reached three ways in turn, each round: straight at the replica, through the
+standalone router (`serving.app`, uvicorn), and through the control plane's `/v1` (its web
+process, as `make run` starts it, with an API key). Two loads, each timed on the wall clock:
+
+- closed loop, what vLLM's own serving benchmark calls max concurrency: `concurrency` clients,
+  each streaming one completion of `tokens` tokens after another until `4 × concurrency` are done;
+- burst: `burst` streamed chats of `tokens` tokens sent at one instant, each on a new connection,
+  as many users pressing send together (more than the replica batches at once, so some queue).
+
+It prints output tokens/s and TTFT p50 for each way and load, and the routed ÷ direct ratios
+(median of the per-round ratios). Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of
+`concurrency` left-padded prompts, greedy) on the same checkpoint gives the vLLM ÷ transformers
+ratio.
 
 Placement: the replica gets the upper half of the cores, the client and the routers the lower
 half, as in a real deployment where the control plane does not run on the accelerator host. On a
@@ -79,44 +85,56 @@ def _wait(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-un
         time.sleep(0.5)
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> tuple[float, int]:
-    """Stream one completion; return (time to first token, output tokens)."""
-    body = {
+async def _one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, chat: bool = False) -> tuple[float, int]:
+    """Stream one completion (a chat completion with `chat`); return (time to first token,
+    output tokens)."""
+    body: dict[str, object] = {
         "model": "bench",
-        "prompt": prompt,
         "max_tokens": tokens,
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     start = time.perf_counter()
     ttft = float("nan")
     produced = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    async with client.stream(
+        "POST", f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body
+    ) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0].get("text") and ttft != ttft:
-                ttft = time.perf_counter() - start
+            if event.get("choices") and ttft != ttft:
+                choice = event["choices"][0]
+                if choice.get("delta", {}).get("content") if chat else choice.get("text"):
+                    ttft = time.perf_counter() - start
             if event.get("usage"):
                 produced = event["usage"]["completion_tokens"]
     return ttft, produced
 
 
-async def _load(url: str, concurrency: int, tokens: int, requests: int, key: str = "") -> tuple[float, float]:
-    """`concurrency` clients, each sending its next streamed completion as soon as the last one
-    ends, until `requests` are done; return (output tokens/s, TTFT p50 in s). No keep-alive:
-    httpcore 1.0.9 would run concurrent requests over one reused connection one at a time."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with httpx.AsyncClient(
+def _client(key: str) -> httpx.AsyncClient:
+    """No keep-alive: httpcore 1.0.9 would run concurrent requests over one reused connection one
+    at a time."""
+    return httpx.AsyncClient(
         timeout=600,
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
-        headers=headers,
+        headers={"Authorization": f"Bearer {key}"} if key else {},
         trust_env=False,
-    ) as client:
+    )
+
+
+async def _load(url: str, concurrency: int, tokens: int, requests: int, key: str = "") -> tuple[float, float]:
+    """`concurrency` clients, each sending its next streamed completion as soon as the last one
+    ends, until `requests` are done; return (output tokens/s, TTFT p50 in s)."""
+    async with _client(key) as client:
         pending = iter(range(requests))
         results: list[tuple[float, int]] = []
 
@@ -126,6 +144,18 @@ async def _load(url: str, concurrency: int, tokens: int, requests: int, key: str
 
         start = time.perf_counter()
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return sum(n for _, n in results) / elapsed, statistics.median(t for t, _ in results)
+
+
+async def _burst(url: str, chats: int, tokens: int, key: str = "") -> tuple[float, float]:
+    """`chats` streamed chat completions started together; return (output tokens/s over the
+    whole burst, TTFT p50 in s)."""
+    async with _client(key) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(_one(client, url, PROMPTS[i % len(PROMPTS)], tokens, chat=True) for i in range(chats))
+        )
         elapsed = time.perf_counter() - start
     return sum(n for _, n in results) / elapsed, statistics.median(t for t, _ in results)
 
@@ -155,19 +185,21 @@ class Way:
     key: str = ""
     router_pid: int | None = None
     up_path: str = "/health"  # answers 200 once the server serves
-    rounds: list[tuple[float, float]] = field(default_factory=list)  # (tokens/s, TTFT p50 s)
-    router_cpu_s: float = 0.0
+    rounds: list[tuple[float, float]] = field(default_factory=list)  # closed loop: (tokens/s, TTFT p50 s)
+    bursts: list[tuple[float, float]] = field(default_factory=list)  # the same, per burst
+    router_cpu_s: float = 0.0  # in the closed loop
 
-    def tok_s(self) -> float:
-        return statistics.median(t for t, _ in self.rounds)
+    def tok_s(self, burst: bool = False) -> float:
+        return statistics.median(t for t, _ in (self.bursts if burst else self.rounds))
 
-    def ttft_ms(self) -> float:
-        return 1000 * statistics.median(f for _, f in self.rounds)
+    def ttft_ms(self, burst: bool = False) -> float:
+        return 1000 * statistics.median(f for _, f in (self.bursts if burst else self.rounds))
 
-    def over(self, direct: Way) -> tuple[float, float]:
+    def over(self, direct: Way, burst: bool = False) -> tuple[float, float]:
         """Median of the per-round ratios to `direct` (tokens/s, TTFT): steadier than a ratio of
         medians when the machine's other load drifts."""
-        pairs = list(zip(self.rounds, direct.rounds, strict=True))
+        mine, theirs = (self.bursts, direct.bursts) if burst else (self.rounds, direct.rounds)
+        pairs = list(zip(mine, theirs, strict=True))
         return statistics.median(r[0] / d[0] for r, d in pairs), statistics.median(r[1] / d[1] for r, d in pairs)
 
 
@@ -226,6 +258,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--burst", type=int, default=100, help="chats per burst (one burst per way and round)")
     parser.add_argument("--keep", action="store_true", help="keep the deployment's logs and state")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -243,8 +276,7 @@ def main() -> None:
         python=_vllm_python(),
         replicas=1,
         options=ReplicaOptions(
-            max_model_len=1024,
-            max_num_seqs=args.concurrency,
+            max_model_len=1024,  # max_num_seqs: the product's default, as a new user's replica
             kv_cache_gib=1,
             dtype="float32",
             enforce_eager=True,
@@ -288,17 +320,20 @@ def main() -> None:
             _wait(lambda url=way.url + way.up_path: _up(url), 60, way.name)
         for way in ways:  # warm-up: vLLM's first batches are slow, and each server's first request
             asyncio.run(_load(way.url, args.concurrency, 8, args.concurrency, way.key))
+            asyncio.run(_burst(way.url, 4, 8, way.key))  # and its first chat (the template compiles)
         for _ in range(args.rounds):  # in turn, so drift on a shared machine hits every way alike
             for way in ways:
                 cpu_before = _cpu_seconds(way.router_pid) if way.router_pid else 0.0
                 way.rounds.append(asyncio.run(_load(way.url, args.concurrency, args.tokens, requests, way.key)))
                 if way.router_pid:
                     way.router_cpu_s += _cpu_seconds(way.router_pid) - cpu_before
+            for way in ways:
+                way.bursts.append(asyncio.run(_burst(way.url, args.burst, args.tokens, way.key)))
     finally:
         request_stop(config.state_dir)
-        for router in routers:
-            os.killpg(router.pid, signal.SIGTERM)
-            router.wait(timeout=30)
+        for server in routers:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
         _wait(lambda: not Path(f"/proc/{supervisor}").exists() or _zombie(supervisor), 120, "supervisor exit")
         if args.keep:
             print(f"logs and state kept in {tmp}")
@@ -324,6 +359,13 @@ def main() -> None:
                 f"its CPU {way.router_cpu_s * 1000 / relayed_k:.0f} ms per 1000 relayed tokens"
             )
         print(line)
+    print(f"burst: {args.burst} streamed chats of {args.tokens} tokens sent together, one burst per way and round")
+    for way in ways:
+        line = f"{way.name:>18}: {way.tok_s(burst=True):,.0f} tok/s, TTFT p50 {way.ttft_ms(burst=True):.1f} ms"
+        if way.router_pid:
+            tps_ratio, ttft_ratio = way.over(direct, burst=True)
+            line += f"; ÷ direct: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f}"
+        print(line)
     print(f"transformers.generate (batch {args.concurrency}, OMP_NUM_THREADS=1): {hf_tps:,.0f} tok/s")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     print(
@@ -333,7 +375,9 @@ def main() -> None:
         f"router_cpu_ms_per_1k_tok={router.router_cpu_s * 1000 / relayed_k:.0f} "
         f"controlplane_cpu_ms_per_1k_tok={web.router_cpu_s * 1000 / relayed_k:.0f} "
         f"direct_tok_s={direct.tok_s():.0f} transformers_tok_s={hf_tps:.0f} "
-        f"vllm_over_transformers={direct.tok_s() / hf_tps:.2f}"
+        f"vllm_over_transformers={direct.tok_s() / hf_tps:.2f} "
+        f"clock=wall burst_v1_over_direct_tok_s={web.over(direct, burst=True)[0]:.3f} "
+        f"burst_v1_ttft_p50_ms={web.ttft_ms(burst=True):.1f} burst_direct_ttft_p50_ms={direct.ttft_ms(burst=True):.1f}"
     )
 
 
