@@ -200,10 +200,11 @@ def rank_main(run_dir: Path) -> None:
     """Writes the points of `RUN_DIR/bench-load.json` to the events file, as rank 0's trainer does."""
     from training.metrics import EventLog
     from training.rankenv import RankEnvironment
+    from training.run_dir import RunDir
 
     load = json.loads((run_dir / LOAD_FILE).read_text())
     env = RankEnvironment.from_environ()
-    events = EventLog(env.events_file if env else run_dir / "events.jsonl")
+    events = EventLog(env.events_file if env else RunDir(run_dir).events_file)
     start = time.monotonic()
     for i in range(load["rate"] * load["seconds"]):
         # Paced against the clock, as steps are: a late write does not lower the rate.

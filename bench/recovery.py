@@ -41,6 +41,7 @@ from typing import Any
 
 from training.config import RunSpec, tiny
 from training.heartbeat import read_beat
+from training.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def _spec() -> RunSpec:
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "node0" / "spool.jsonl"
+    path = RunDir(run_dir).node(0).spool_file
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
@@ -75,7 +76,7 @@ def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
 
 
 def _rank_pid(run_dir: Path, rank: int) -> int:
-    beat = _wait_for(lambda: read_beat(run_dir / "node0" / "heartbeat" / f"rank{rank}.json"), 120, f"rank {rank}")
+    beat = _wait_for(lambda: read_beat(RunDir(run_dir).node(0).heartbeat_file(rank)), 120, f"rank {rank}")
     return int(beat.pid)
 
 
@@ -115,7 +116,8 @@ def main() -> None:
             print(f"run folder: {tmp}", flush=True)
         run_dir = Path(tmp) / "run"
         spec = _spec()
-        spec_path = Path(tmp) / "spec.json"
+        run_dir.mkdir()
+        spec_path = RunDir(run_dir).spec_file  # where the control plane's launcher puts it
         spec_path.write_text(spec.to_json())
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         with open(Path(tmp) / "agent.out", "wb") as out:

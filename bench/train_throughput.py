@@ -59,6 +59,7 @@ from training.config import RECIPES, RunSpec
 from training.data import PreparedData, TokenWindows, prepare_data
 from training.metrics import flops_per_token, measure_matmul_peak, mfu, peak_memory_mb
 from training.model import Transformer
+from training.run_dir import RunDir
 from training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,8 +215,9 @@ def fathom_run(
 ) -> RunTimes:
     """Runs `spec` to its end under a node agent started as the control plane starts it."""
     # The run's data folder, already prepared (the ranks would only tokenize the same corpus again).
-    shutil.copytree(data.tokens_path.parent, run_dir / "data")
-    spec_path = run_dir / "spec.json"
+    folder = RunDir(run_dir)
+    shutil.copytree(data.tokens_path.parent, folder.data_dir)
+    spec_path = folder.spec_file
     spec_path.write_text(spec.to_json())
     command = [
         sys.executable, "-m", "training.agent",
@@ -227,7 +229,8 @@ def fathom_run(
         f"--run-token={RUN_TOKEN}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    log = run_dir / "agent.log"
+    log = folder.agent_log(0)
+    log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         code = subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=3600).returncode
     events = ingest.run_events(run_id)

@@ -1,13 +1,13 @@
 """The node agent: one per host, runs that host's ranks and keeps the run alive.
 
-    python -m training.agent --spec spec.json --run-dir DIR --node-rank K \\
+    python -m training.agent --spec SPEC_FILE --run-dir DIR --node-rank K \\
         [--rdzv-endpoint HOST:PORT] [--events-url URL --run-token T]
 
 It is torch's elastic agent (`SimpleElasticAgent`: c10d rendezvous, rank assignment, restart
 budget, scale-up when a node waits to join, exit barrier) with Fathom's own parts where torch's
 `LocalElasticAgent` falls short:
 
-* ranks are started so they die with the agent and log to `RUN_DIR/logs/rank{R}.log`
+* ranks are started so they die with the agent and log to their rank log (`training.run_dir`)
   (`training.ranks`), and are watched for hangs as well as exits (`training.watchdog`);
 * the restart budget (`nodes.max_restarts`) counts failures in a row without progress: an attempt
   that committed a newer checkpoint than it resumed from gives the budget back, so a long run that
@@ -19,7 +19,7 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
   (`training.report`) to the control plane;
 * when the rendezvous ends with fewer nodes than `nodes.max` (a node was lost and `nodes.min`
   allows going on), the ranks get a spec whose `layout.dp` fits the new world size;
-* SIGTERM (or a `RUN_DIR/cancel` file) cancels: ranks get SIGTERM, the newest committed
+* SIGTERM (or the run folder's cancel marker) cancels: ranks get SIGTERM, the newest committed
   checkpoint stays.
 
 The exit status says the outcome (`ExitCode`).
@@ -50,7 +50,6 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from training.checkpoint_paths import latest_committed_step
 from training.config import RunSpec, SpecError
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
 from training.rankenv import RankEnvironment, RankError
@@ -65,6 +64,7 @@ from training.ranks import (
     wait_for_exit,
 )
 from training.report import Reporter, ReporterConfig
+from training.run_dir import NodeDir, RunDir
 from training.watchdog import RankFailure, Watchdog, WatchdogConfig
 
 logger = logging.getLogger("fathom.agent")
@@ -117,9 +117,13 @@ class AgentConfig:
     report_flush_timeout: float = 30.0  # at exit, how long to keep trying to deliver events
 
     @property
-    def node_dir(self) -> Path:
+    def folder(self) -> RunDir:
+        return RunDir(self.run_dir)
+
+    @property
+    def node_dir(self) -> NodeDir:
         """This node's own files in the (possibly shared) run folder."""
-        return self.run_dir / f"node{self.node_rank}"
+        return self.folder.node(self.node_rank)
 
 
 class CancelRequested(BaseException):
@@ -203,11 +207,11 @@ class NodeAgent(SimpleElasticAgent):
             nodes=int(worker_group.group_world_size or 0),
             nproc=len(worker_group.workers),
         )
-        spec_path = self.config.node_dir / "spec.json"
+        spec_path = self.config.node_dir.spec_file
         tmp = spec_path.with_suffix(".tmp")
         tmp.write_text(spec.to_json())
         os.replace(tmp, spec_path)
-        self._from_step = latest_committed_step(self.config.run_dir)
+        self._from_step = self.config.folder.latest_committed_step()
         argv = ["--spec", str(spec_path), "--run-dir", str(self.config.run_dir)]
         self._ranks = []
         for worker in worker_group.workers:
@@ -215,10 +219,10 @@ class NodeAgent(SimpleElasticAgent):
                 run_dir=self.config.run_dir,
                 node_rank=self.config.node_rank,
                 attempt=self._attempt,
-                heartbeat_file=self.config.node_dir / "heartbeat" / f"rank{worker.global_rank}.json",
+                heartbeat_file=self.config.node_dir.heartbeat_file(worker.global_rank),
                 heartbeat_interval=self.config.heartbeat_interval,
-                events_file=self.config.node_dir / "events.jsonl",
-                error_file=self.config.node_dir / "errors" / f"rank{worker.global_rank}.json",
+                events_file=self.config.node_dir.events_file,
+                error_file=self.config.node_dir.error_file(worker.global_rank),
             )
             env = {
                 **_process_env(),
@@ -229,9 +233,9 @@ class NodeAgent(SimpleElasticAgent):
                 global_rank=worker.global_rank,
                 local_rank=worker.local_rank,
                 env=env,
-                log=self.config.run_dir / "logs" / f"rank{worker.global_rank}.log",
+                log=self.config.folder.rank_log(worker.global_rank),
                 heartbeat_file=rank_env.heartbeat_file,
-                error_file=self.config.node_dir / "errors" / f"rank{worker.global_rank}.json",
+                error_file=self.config.node_dir.error_file(worker.global_rank),
             )
             rank = activate_standby(self._standbys.pop(0), argv, slot) if self._standbys else None
             if rank is None:
@@ -244,7 +248,7 @@ class NodeAgent(SimpleElasticAgent):
         for standby in [s for s in self._standbys if not s.alive()]:
             self._standbys.remove(standby)
         while len(self._standbys) < self._worker_group.spec.local_world_size:
-            log = self.config.run_dir / "logs" / f"standby-node{self.config.node_rank}.log"
+            log = self.config.folder.standby_log(self.config.node_rank)
             self._standbys.append(spawn_standby(self.config.entrypoint, env=_process_env(), log=log))
         self._standbys_due = False
 
@@ -280,10 +284,10 @@ class NodeAgent(SimpleElasticAgent):
             logger.info("cancel requested: stopping ranks (grace %.0f s)", self.config.cancel_grace)
             stop_ranks(self._ranks, sig=signal.SIGTERM, grace=self.config.cancel_grace)
             outcome = Outcome(
-                code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(self.config.run_dir)}
+                code=ExitCode.CANCELLED, kind="cancelled", data={"step": self.config.folder.latest_committed_step()}
             )
         except RendezvousError as exc:
-            cancelled = (self.config.run_dir / "cancel").exists()
+            cancelled = self.config.folder.cancel_marker.exists()
             outcome = Outcome(
                 code=ExitCode.CANCELLED if cancelled else ExitCode.FAILED,
                 kind="cancelled" if cancelled else "failed",
@@ -306,7 +310,7 @@ class NodeAgent(SimpleElasticAgent):
         group = self._worker_group
         self._initialize_workers(group)
         next_membership_check = time.monotonic() + self.config.membership_check_interval
-        cancel_file = self.config.run_dir / "cancel"
+        cancel_file = self.config.folder.cancel_marker
         while True:
             wait_for_exit(self._ranks, self.config.monitor_interval)
             if cancel_file.exists():
@@ -317,7 +321,7 @@ class NodeAgent(SimpleElasticAgent):
             if state.succeeded:
                 self._exit_barrier()
                 return Outcome(
-                    code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": latest_committed_step(self.config.run_dir)}
+                    code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": self.config.folder.latest_committed_step()}
                 )
             if state.failures:
                 # Root causes first: a rank that died or hung takes its peers' collectives down
@@ -328,7 +332,7 @@ class NodeAgent(SimpleElasticAgent):
                 if fatal is not None:
                     self._stop_workers(group)
                     return fatal
-                if latest_committed_step(self.config.run_dir) > self._from_step:
+                if self.config.folder.latest_committed_step() > self._from_step:
                     self._restarts_in_a_row = 0  # the attempt saved progress: the budget is whole again
                 if self._restarts_in_a_row >= self.spec.nodes.max_restarts:
                     self._stop_workers(group)
@@ -414,7 +418,7 @@ class NodeAgent(SimpleElasticAgent):
             "restarting",
             {
                 "attempt": self._restarts,
-                "from_step": latest_committed_step(self.config.run_dir),
+                "from_step": self.config.folder.latest_committed_step(),
                 "reason": reason,
                 "backoff": backoff,
                 "restarts_left": self._remaining_restarts,
@@ -521,14 +525,14 @@ def _build(args: argparse.Namespace, spec: RunSpec) -> tuple[AgentConfig, Report
         rdzv_last_call_timeout=args.rdzv_last_call,
         rdzv_join_timeout=args.rdzv_join_timeout,
     )
-    config.node_dir.mkdir(parents=True, exist_ok=True)
+    config.node_dir.path.mkdir(parents=True, exist_ok=True)
     reporter = Reporter(
         ReporterConfig(
             source=f"node-{config.node_rank}",
-            spool_dir=config.node_dir,
+            spool=config.node_dir,
             events_url=args.events_url,
             run_token=args.run_token,
-            tail_files=(config.node_dir / "events.jsonl",),
+            tail_files=(config.node_dir.events_file,),
         )
     )
     rdzv = get_rendezvous_handler(
@@ -603,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = agent.execute()
     except CancelRequested:  # arrived during the clean-up of another outcome
         outcome = Outcome(
-            code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(config.run_dir)}
+            code=ExitCode.CANCELLED, kind="cancelled", data={"step": config.folder.latest_committed_step()}
         )
     reporter.emit(outcome.kind, outcome.data)
     if not reporter.close(flush_timeout=config.report_flush_timeout):

@@ -21,6 +21,7 @@ from typing import Any
 from training.config import DataConfig, RunSpec, tiny
 from training.data import prepare_data
 from training.metrics import read_events
+from training.run_dir import RunDir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,15 +39,16 @@ def rank_environment(events_file: Path) -> dict[str, str]:
 def launch(spec: RunSpec, run_dir: Path, timeout: float = 600.0) -> list[dict[str, Any]]:
     """Runs `training.train` on `spec` in `run_dir` (torchrun if the layout has >1 rank); returns its events."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec_file = run_dir / "spec.json"
+    folder = RunDir(run_dir)
+    spec_file = folder.spec_file
     spec_file.write_text(spec.to_json())
     nproc = spec.layout.world_size
     prefix = [sys.executable]
     if nproc > 1:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command = [*prefix, "-m", "training.train", "--spec", str(spec_file), "--run-dir", str(run_dir)]
-    events_file = run_dir / "events.jsonl"
-    log = run_dir / "log.txt"
+    events_file = folder.events_file
+    log = folder.standalone_log
     with log.open("w") as out:
         result = subprocess.run(
             command,

@@ -1,14 +1,9 @@
 """Checkpoints that are either whole or ignored, and resume onto any layout.
 
-Layout of a run directory:
-
-    DIR/checkpoints/step_00000025/          committed: renamed into place, then COMMITTED written
-        .metadata, __0_0.distcp, …          model + optimizer, DCP (sharded, layout-independent)
-        rng/rank00000.pt                    each rank's RNG states
-        fathom.json                         step, sampler position, layout it was written with
-        spec.json, tokenizer/               what export needs, so a checkpoint stands alone
-        COMMITTED                           the marker; a folder without it never counts
-    DIR/checkpoints/step_00000050.tmp/      being written (or torn by a crash): ignored, then deleted
+Where a checkpoint lives and what it holds is the run folder contract's (`training.run_dir`:
+`RunDir.checkpoint(step)`, `CheckpointDir`): DCP shards of model and optimizer (sharded,
+layout-independent), each rank's RNG states, the trainer state with the layout it was written
+with, and the spec and tokenizer that export needs, so a checkpoint stands alone.
 
 A save writes everything into the `.tmp` sibling, fsyncs it, renames it to its final name (atomic
 within one file system) and then writes and fsyncs the COMMITTED marker and the parent directory.
@@ -49,28 +44,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from training.checkpoint_paths import (
-    _PREFIX,
-    COMMITTED,
-    checkpoint_path,
-    checkpoints_root,
-    committed_checkpoints,
-)
 from training.config import RunSpec
 from training.data import copy_tokenizer
 from training.hooks import TrainHook
+from training.run_dir import CheckpointDir, RunDir
 
-METADATA = "fathom.json"
-_STAGING_SUFFIX = ".tmp"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def remove_uncommitted(run_dir: Path) -> list[Path]:
     """Deletes staging folders and folders renamed but never marked; returns what it removed."""
-    root = checkpoints_root(run_dir)
+    folder = RunDir(run_dir)
+    root = folder.checkpoints_dir
     if not root.is_dir():
         return []
-    keep = set(committed_checkpoints(run_dir))
+    keep = set(folder.committed_checkpoints())
     removed = [p for p in root.iterdir() if p.is_dir() and p not in keep]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -78,7 +66,7 @@ def remove_uncommitted(run_dir: Path) -> list[Path]:
 
 
 def read_metadata(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / METADATA).read_text())
+    return json.loads(CheckpointDir(checkpoint).metadata_file.read_text())
 
 
 def _fsync_tree(path: Path) -> None:
@@ -152,7 +140,7 @@ class Checkpointer:
         hooks: list[TrainHook],
         on_commit: Callable[[int, Path], None] | None = None,  # rank 0, after each commit, on the caller's thread
     ) -> None:
-        self.run_dir = run_dir
+        self.run_dir = RunDir(run_dir)
         self.parts = parts
         self.optimizers = optimizers
         self.spec = spec
@@ -204,7 +192,7 @@ class Checkpointer:
         """Writes the checkpoint of `step`; with async_checkpoint the write finishes in the background
         (call `wait_for_staging` before the next optimizer step, and `poll` once per step)."""
         self.wait()  # at most one save in flight: a second would race the first's commit
-        staging = checkpoint_path(self.run_dir, step).with_name(f"{_PREFIX}{step:08d}{_STAGING_SUFFIX}")
+        staging = self.run_dir.checkpoint_staging(step)
         if self._stager is not None:
             # No barrier: resume() removed every uncommitted folder before any rank trained, so
             # nobody else is deleting this one.
@@ -222,14 +210,15 @@ class Checkpointer:
         if self.rank == 0:
             self._commit(step, staging, trainer_state)
             if self.on_commit is not None:
-                self.on_commit(step, checkpoint_path(self.run_dir, step))
+                self.on_commit(step, self.run_dir.checkpoint(step))
         # No rank steps past a checkpoint before it is committed: a rank that fails right after
         # it then resumes from it, instead of from the one before.
         self._barrier()
 
     def _write_rng(self, staging: Path) -> None:
-        (staging / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), staging / "rng" / f"rank{self.rank:05d}.pt")
+        rng_file = CheckpointDir(staging).rng_file(self.rank)
+        rng_file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), rng_file)
 
     def _save_in_background(self, step: int, staging: Path, trainer_state: dict[str, Any]) -> None:
         assert self._stager is not None and self._finisher is not None
@@ -283,7 +272,7 @@ class Checkpointer:
         pending.staged.result()
         pending.finished.result()
         if self.rank == 0 and self.on_commit is not None:
-            self.on_commit(pending.step, checkpoint_path(self.run_dir, pending.step))
+            self.on_commit(pending.step, self.run_dir.checkpoint(pending.step))
 
     def _commit(self, step: int, staging: Path, trainer_state: dict[str, Any]) -> None:
         metadata = {
@@ -292,17 +281,18 @@ class Checkpointer:
             "layout": dataclasses.asdict(self.spec.layout),
             "world_size": dist.get_world_size() if self.distributed else 1,
         }
-        (staging / METADATA).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-        (staging / "spec.json").write_text(self.spec.to_json() + "\n")
-        copy_tokenizer(self.tokenizer_dir, staging / "tokenizer")
+        written = CheckpointDir(staging)
+        written.metadata_file.write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        written.spec_file.write_text(self.spec.to_json() + "\n")
+        copy_tokenizer(self.tokenizer_dir, written.tokenizer_dir)
         _fsync_tree(staging)
-        final = checkpoint_path(self.run_dir, step)
+        final = self.run_dir.checkpoint(step)
         if final.exists():  # a torn folder of the same step from a crashed attempt
             shutil.rmtree(final)
         os.rename(staging, final)
-        _write_durably(final / COMMITTED, f"{step}\n")
+        _write_durably(CheckpointDir(final).committed_marker, f"{step}\n")
         _fsync_dir(final.parent)
-        for old in committed_checkpoints(self.run_dir)[: -self.spec.train.keep_checkpoints]:
+        for old in self.run_dir.committed_checkpoints()[: -self.spec.train.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
     # Loading ---------------------------------------------------------------------------------
@@ -316,7 +306,7 @@ class Checkpointer:
             # Each part takes its own names from the merged dicts (other stages' names are ignored).
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, optim_state_dict=state["optim"], options=_OPTIM_OPTIONS)
-        rng_file = checkpoint / "rng" / f"rank{self.rank:05d}.pt"
+        rng_file = CheckpointDir(checkpoint).rng_file(self.rank)
         if rng_file.exists():  # absent when resuming on more ranks than saved; those keep their seed
             set_rng_state(torch.load(rng_file, weights_only=False))
         return read_metadata(checkpoint)

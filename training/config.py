@@ -1,7 +1,7 @@
 """Typed configuration of a training run: model, layout, optimisation, data, nodes and faults.
 
-A `RunSpec` is what the control plane stores for a run and what every rank reads from
-`spec.json`. Each dataclass checks itself in `__post_init__`; cross-field rules that involve
+A `RunSpec` is what the control plane stores for a run and what every rank reads from the
+run folder's spec file (`training.run_dir`). Each dataclass checks itself in `__post_init__`; cross-field rules that involve
 more than one section live in `RunSpec.__post_init__`. Every failure raises `SpecError` whose
 `field` is the dotted path a form or an API client shows next to the input
 (`layout.tp`, `model.n_heads`), and whose message prints the offending values.

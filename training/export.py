@@ -20,10 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from training.checkpoint_paths import COMMITTED, latest_checkpoint
 from training.config import ModelConfig, RunSpec
 from training.data import END_OF_TEXT, IM_END, copy_tokenizer, special_token_ids
 from training.model import Transformer
+from training.run_dir import CheckpointDir, RunDir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,9 +35,10 @@ def hf_name(name: str) -> str:
 
 def load_model(checkpoint: Path) -> tuple[RunSpec, Transformer]:
     """The whole fp32 model stored in a committed checkpoint, in this process."""
-    if not (checkpoint / COMMITTED).is_file():
-        raise ValueError(f"{checkpoint} is not a committed checkpoint (no {COMMITTED} marker)")
-    spec = RunSpec.from_json((checkpoint / "spec.json").read_text())
+    stored = CheckpointDir(checkpoint)
+    if not stored.is_committed:
+        raise ValueError(f"{checkpoint} is not a committed checkpoint (no {stored.committed_marker.name} marker)")
+    spec = RunSpec.from_json(stored.spec_file.read_text())
     model = Transformer(spec.model)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
@@ -88,7 +89,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    copy_tokenizer(checkpoint / "tokenizer", out_dir)
+    copy_tokenizer(CheckpointDir(checkpoint).tokenizer_dir, out_dir)
     special = special_token_ids(out_dir)
     (out_dir / "config.json").write_text(json.dumps(hf_config(spec.model, dtype, special), indent=2) + "\n")
     generation = {
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint
-    if not (checkpoint / COMMITTED).is_file():
-        newest = latest_checkpoint(checkpoint)
+    if not CheckpointDir(checkpoint).is_committed:
+        newest = RunDir(checkpoint).latest_checkpoint()
         if newest is None:
             raise SystemExit(f"{checkpoint} is neither a committed checkpoint nor a run folder with one")
         checkpoint = newest

@@ -11,8 +11,8 @@ Each `FaultSpec` fires inside a rank, from the training hooks, at a chosen step:
 
 `once` faults fire at most once per run, not once per process: a resumed run replays the steps
 after its checkpoint and would otherwise meet the same fault again, forever. Before firing, the
-rank claims a marker file `RUN_DIR/faults/{kind}-rank{r}-node{n}-step{s}.fired` with O_EXCL
-(named by content, not position, so a spec rewritten for a smaller world keeps its markers); whoever finds the marker
+rank claims a marker file in the run folder (`RunDir.fault_marker`) with O_EXCL (named by
+content, not position, so a spec resized for a smaller world keeps its markers); whoever finds the marker
 already there does nothing. A marker in the run folder (rather than the restart count) is also
 right when a killed node's agent is started again from scratch, and lets several `once` faults
 fire one after another in the same run.
@@ -28,15 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from training.config import FaultSpec
+from training.run_dir import RunDir
 
 
 class FaultHook:
     """TrainHook that fires the faults of `faults` that belong to this rank."""
 
     def __init__(
-        self, faults: list[FaultSpec], *, rank: int, local_rank: int, node_rank: int, markers_dir: Path
+        self, faults: list[FaultSpec], *, rank: int, local_rank: int, node_rank: int, run_dir: RunDir
     ) -> None:
-        self._markers_dir = markers_dir
+        self._run_dir = run_dir
         self._mine: list[FaultSpec] = [
             f
             for f in faults
@@ -63,9 +64,9 @@ class FaultHook:
     def _claim(self, fault: FaultSpec) -> bool:
         if not fault.once:
             return True
-        self._markers_dir.mkdir(parents=True, exist_ok=True)
+        marker = self._run_dir.fault_marker(fault.kind, rank=fault.rank, node=fault.node, step=fault.step)
+        marker.parent.mkdir(parents=True, exist_ok=True)
         try:
-            marker = self._markers_dir / f"{fault.kind}-rank{fault.rank}-node{fault.node}-step{fault.step}.fired"
             fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False

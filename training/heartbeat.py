@@ -63,7 +63,7 @@ class HeartbeatHook:
         self._phase = "starting"
         self._stop = threading.Event()
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Stacks go to stderr, which the agent captures into logs/rank{R}.log.
+        # Stacks go to stderr, which the agent captures into the rank's log.
         faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
         self._write()
         self._thread = threading.Thread(target=self._run, name="fathom-heartbeat", daemon=True)

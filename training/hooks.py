@@ -36,6 +36,7 @@ def build_hooks(spec: RunSpec, rank: int, world_size: int) -> list[TrainHook]:
     from training.faults import FaultHook
     from training.heartbeat import HeartbeatHook
     from training.rankenv import RankEnvironment
+    from training.run_dir import RunDir
 
     env = RankEnvironment.from_environ()
     if env is None:
@@ -45,7 +46,7 @@ def build_hooks(spec: RunSpec, rank: int, world_size: int) -> list[TrainHook]:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         hooks.append(
             FaultHook(
-                spec.faults, rank=rank, local_rank=local_rank, node_rank=env.node_rank, markers_dir=env.faults_dir
+                spec.faults, rank=rank, local_rank=local_rank, node_rank=env.node_rank, run_dir=RunDir(env.run_dir)
             )
         )
     return hooks

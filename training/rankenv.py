@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from training.run_dir import RunDir
+
 RUN_DIR = "FATHOM_RUN_DIR"
 NODE_RANK = "FATHOM_NODE_RANK"
 ATTEMPT = "FATHOM_ATTEMPT"
@@ -78,7 +80,7 @@ class RankEnvironment:
             attempt=int(env.get(ATTEMPT, "0")),
             heartbeat_file=Path(env[HEARTBEAT_FILE]),
             heartbeat_interval=float(env.get(HEARTBEAT_INTERVAL, "0.1")),
-            events_file=Path(env.get(EVENTS_FILE, str(run_dir / "events.jsonl"))),
+            events_file=Path(env.get(EVENTS_FILE, str(RunDir(run_dir).events_file))),
             error_file=Path(env[ERROR_FILE]) if env.get(ERROR_FILE) else None,
         )
 
@@ -92,8 +94,3 @@ class RankEnvironment:
             EVENTS_FILE: str(self.events_file),
             **({ERROR_FILE: str(self.error_file)} if self.error_file else {}),
         }
-
-    @property
-    def faults_dir(self) -> Path:
-        """Markers of faults that have fired, shared by every node that sees the run folder."""
-        return self.run_dir / "faults"

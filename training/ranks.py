@@ -13,7 +13,7 @@ Two facts about process lifetime drive this module:
 A restart can also take a warm standby (`training.standby`): a process started the same way that
 has already imported the trainer, and becomes rank R when handed its environment.
 
-stdout and stderr of rank R are appended to `RUN_DIR/logs/rank{R}.log`, across restarts, so the
+stdout and stderr of rank R are appended to its rank log (`RunDir.rank_log`), across restarts, so the
 stack a hung rank dumps before it is killed stays next to what the restarted rank prints.
 """
 

@@ -8,7 +8,7 @@ affected: each rendezvous round's rank-0 agent hosts it anew.)
 
     python -m training.rendezvous_store --endpoint HOST:PORT --run-dir DIR
 
-It leaves when the run's agents are gone: once no `agent-node<K>.lock` in DIR is held (the launcher
+It leaves when the run's agents are gone: once no agent lock of the run folder is held (the launcher
 starts each agent under flock on it) for IDLE_EXIT_S. The locks are read from /proc/locks, never
 taken: a relaunched agent must not find its lock held by this process.
 """
@@ -20,6 +20,8 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from training.run_dir import RunDir
 
 # Agents import torch before they first connect, which takes a while on a busy machine.
 START_GRACE_S = 120.0
@@ -47,7 +49,7 @@ def held_flocks(proc_locks: str | None = None) -> set[FileId]:
 
 def agents_running(run_dir: Path) -> bool:
     held = held_flocks()
-    for lock in run_dir.glob("agent-node*.lock"):
+    for lock in RunDir(run_dir).agent_locks():
         try:
             st = lock.stat()
         except FileNotFoundError:

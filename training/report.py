@@ -2,7 +2,7 @@
 
 Two kinds of events enter: the agent's own lifecycle events (`emit`) and the JSON lines rank 0
 appends to the events file(s) (tailed). Each gets the next `seq` of this source ("node-K") and is
-appended to `spool.jsonl` and fsync'd *before* anything is sent, so an event exists on disk from
+appended to the node's spool file and fsync'd *before* anything is sent, so an event exists on disk from
 the moment it is known. A thread ships what the control plane has not acknowledged, in batches:
 
     POST {events_url}   Authorization: Bearer {run_token}
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.run_dir import NodeDir
 from training.wakeup import FileWaker
 
 # (kind, time, data, where it was read: (events file, offset after the line) or None)
@@ -42,7 +43,7 @@ Incoming = tuple[str, float, dict[str, Any], tuple[str, int] | None]
 @dataclass(kw_only=True, frozen=True)
 class ReporterConfig:
     source: str  # "node-K": seq is counted per source
-    spool_dir: Path
+    spool: NodeDir  # the node folder whose spool and acked files this reporter keeps
     events_url: str | None  # None: spool only (a run with no control plane)
     run_token: str | None
     tail_files: tuple[Path, ...] = ()
@@ -61,13 +62,13 @@ class ReporterConfig:
 class EventSpool:
     """Append-only JSON lines, fsync'd per append; recovers its counters from its own content."""
 
-    def __init__(self, directory: Path, *, track_unacked: bool = True) -> None:
+    def __init__(self, node: NodeDir, *, track_unacked: bool = True) -> None:
         # Without a control plane nothing is ever acknowledged; keeping every event of a long
         # run in memory for nobody would only grow the agent.
         self._track_unacked = track_unacked
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / "spool.jsonl"
-        self._acked_path = directory / "acked"
+        node.path.mkdir(parents=True, exist_ok=True)
+        self.path = node.spool_file
+        self._acked_path = node.acked_file
         self.last_seq = 0
         self.tail_offsets: dict[str, int] = {}
         self.acked = int(self._acked_path.read_text()) if self._acked_path.exists() else 0
@@ -145,7 +146,7 @@ def wire(entry: dict[str, Any]) -> dict[str, Any]:
 class Reporter:
     def __init__(self, config: ReporterConfig) -> None:
         self.config = config
-        self.spool = EventSpool(config.spool_dir, track_unacked=config.events_url is not None)
+        self.spool = EventSpool(config.spool, track_unacked=config.events_url is not None)
         # emit() runs on the agent's thread, tailing on ours; re-entrant because emit tails first.
         self._lock = threading.RLock()
         self._stop = threading.Event()

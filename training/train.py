@@ -1,4 +1,4 @@
-"""Rank entry point: `torchrun … -m training.train --spec spec.json --run-dir DIR`.
+"""Rank entry point: `torchrun … -m training.train --spec SPEC_FILE --run-dir DIR`.
 
 Each rank computes on its GPU (`LOCAL_RANK`, NCCL) when torch sees one, else on the CPU with gloo
 (training/device.py). Also runs as a single process without torchrun (world size 1). On every start
@@ -27,7 +27,8 @@ from training.data import PreparedData, prepare_data
 from training.device import activate, device_from_environment
 from training.hooks import build_hooks
 from training.metrics import EventLog
-from training.rankenv import NON_RETRYABLE_EXIT, ErrorClass, RankEnvironment, RankError
+from training.rankenv import EVENTS_FILE, NON_RETRYABLE_EXIT, ErrorClass, RankEnvironment, RankError
+from training.run_dir import RunDir
 from training.trainer import Trainer
 
 # Gloo's default is 30 minutes: a rank stuck in a collective would hold the whole job that long
@@ -75,7 +76,7 @@ def prepare_checked(spec: RunSpec, run_dir: Path) -> PreparedData:
     check_tokenizer(spec)
     name = spec.data.dataset or "the demo corpus"
     try:
-        data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, run_dir / "data")
+        data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, RunDir(run_dir).data_dir)
     except _DATA_ERRORS as exc:
         raise NonRetryable("data", f"data.dataset {name}: {exc}") from exc
     tokens = data.tokens_path.stat().st_size // np.dtype(data.dtype).itemsize
@@ -121,8 +122,8 @@ def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
         dist.init_process_group(device.backend, timeout=COLLECTIVE_TIMEOUT)
     events = None
     if rank == 0:
-        keep_spec(run_dir / "spec.json", spec_text)
-        events = EventLog(Path(os.environ.get("FATHOM_EVENTS_FILE", run_dir / "events.jsonl")))
+        keep_spec(RunDir(run_dir).spec_file, spec_text)
+        events = EventLog(Path(os.environ.get(EVENTS_FILE, RunDir(run_dir).events_file)))
     trainer = Trainer(
         spec=spec,
         run_dir=run_dir,

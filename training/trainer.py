@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from training.checkpoint import Checkpointer, remove_uncommitted
-from training.checkpoint_paths import latest_checkpoint
 from training.checkpoint_policy import CheckpointPolicy
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
@@ -30,6 +29,7 @@ from training.metrics import EventLog, mfu, step_line
 from training.model import Transformer, cross_entropy_loss
 from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
+from training.run_dir import RunDir
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -122,7 +122,7 @@ class Trainer:
         )
         self.tokens_per_step = spec.train.global_batch * spec.model.seq_len
         # Every rank's peak in the run's precision and thread count, as rank 0 measures it on its host.
-        self.peak_flops = peak_flops(device, spec.layout.precision, run_dir / "peak_flops") if rank == 0 else 0.0
+        self.peak_flops = peak_flops(device, spec.layout.precision, RunDir(run_dir).peak_flops_dir) if rank == 0 else 0.0
         self._last_step_end: tuple[int, float] | None = None  # (step, perf_counter) of the last step's end
 
     # --- One step -----------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class Trainer:
             self.events.emit("checkpoint", step=step, path=str(path))
 
     def trainer_state(self) -> dict[str, Any]:
-        """What a checkpoint's fathom.json keeps beside the tensors (the spec goes into its spec.json)."""
+        """What a checkpoint's fathom.json keeps beside the tensors (the checkpointer adds the spec)."""
         return {"sampler": self.sampler.state_dict()}
 
     def resume(self) -> int:
@@ -233,7 +233,7 @@ class Trainer:
             remove_uncommitted(self.run_dir)  # torn saves of an earlier attempt
         if self.distributed:
             dist.barrier()  # every rank sees the same checkpoints folder from here on
-        checkpoint = latest_checkpoint(self.run_dir)
+        checkpoint = RunDir(self.run_dir).latest_checkpoint()
         if checkpoint is None:
             return 0
         state = self.checkpointer.load(checkpoint)

@@ -25,7 +25,7 @@ class RunConsumer(EventStreamConsumer):
 
     async def _stream_log(self) -> None:
         """New lines of rank 0's log, from where the file ended at connect (the API serves the rest)."""
-        path = self.subject.folder / "logs" / "rank0.log"
+        path = self.subject.run_dir.rank_log(0)
         offset = path.stat().st_size if path.exists() else 0
         while True:
             await asyncio.sleep(LOG_POLL_SECONDS)

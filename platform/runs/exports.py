@@ -20,7 +20,7 @@ class ExportFailed(RuntimeError):
 
 
 def export_folder(checkpoint: Checkpoint) -> Path:
-    return checkpoint.run.folder / "exports" / f"step_{checkpoint.step:08d}"
+    return checkpoint.run.run_dir.export(checkpoint.step)
 
 
 def export(checkpoint: Checkpoint) -> Path:
@@ -28,7 +28,7 @@ def export(checkpoint: Checkpoint) -> Path:
     out = export_folder(checkpoint)
     if checkpoint.export_path and (Path(checkpoint.export_path) / "config.json").exists():
         return Path(checkpoint.export_path)
-    staging = out.with_name(out.name + ".tmp")
+    staging = checkpoint.run.run_dir.export_staging(checkpoint.step)
     env = dict(os.environ, PYTHONPATH=str(settings.REPO_DIR), OMP_NUM_THREADS="1")
     result = subprocess.run(
         [settings.TRAINING_PYTHON, "-m", "training.export", checkpoint.path, str(staging)],

@@ -21,6 +21,7 @@ from django.conf import settings
 
 from runs.models import Run
 from training.config import RunSpec
+from training.run_dir import RunDir
 
 
 def _free_port() -> int:
@@ -30,22 +31,22 @@ def _free_port() -> int:
 
 
 def prepare(run: Run) -> tuple[Path, str]:
-    """Writes spec.json with the data paths filled in; returns the folder and a fresh run token.
+    """Writes the run's spec file with the data paths filled in; returns the folder and a fresh run token.
 
     The paths come only from the objects the run names (its Dataset, the run whose tokenizer it
     reuses), both its owner's own: whatever a stored spec says, a rank reads nothing else.
     """
-    folder = run.folder
-    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    folder = run.run_dir
+    folder.logs_dir.mkdir(parents=True, exist_ok=True)
     # A resumed run starts in the folder its cancel was requested in: the request is spent.
-    (folder / "cancel").unlink(missing_ok=True)
+    folder.cancel_marker.unlink(missing_ok=True)
     spec = RunSpec.from_dict(run.spec)
     spec.data.dataset = run.dataset.path if run.dataset is not None else ""
     spec.data.tokenizer = str(run.tokenizer_run.tokenizer_dir) if run.tokenizer_run is not None else ""
-    tmp = folder / "spec.json.tmp"
+    tmp = folder.spec_file.with_name(folder.spec_file.name + ".tmp")
     tmp.write_text(spec.to_json())
-    tmp.replace(folder / "spec.json")
-    return folder, secrets.token_urlsafe(32)
+    tmp.replace(folder.spec_file)
+    return folder.path, secrets.token_urlsafe(32)
 
 
 def _start_detached(command: list[str], log_path: Path, env: dict[str, str]) -> int:
@@ -59,6 +60,7 @@ def _start_detached(command: list[str], log_path: Path, env: dict[str, str]) -> 
 
 def start_agents(run: Run, folder: Path, token: str) -> list[int]:
     spec = RunSpec.from_dict(run.spec)
+    run_dir = RunDir(folder)
     rdzv = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONPATH=str(settings.REPO_DIR), OMP_NUM_THREADS="1")
     store_args: list[str] = []
@@ -66,24 +68,24 @@ def start_agents(run: Run, folder: Path, token: str) -> list[int]:
         # It leaves by itself once no agent of the run holds its lock; the agents only connect.
         _start_detached(
             [settings.TRAINING_PYTHON, "-m", "training.rendezvous_store", "--endpoint", rdzv, "--run-dir", str(folder)],
-            folder / "logs" / "rendezvous-store.log",
+            run_dir.rendezvous_store_log,
             env,
         )
         store_args = ["--host-store", "no"]
     pids = []
     for node in range(spec.nodes.max):
         command = [
-            "flock", "-n", "-E", "75", str(folder / f"agent-node{node}.lock"),
+            "flock", "-n", "-E", "75", str(run_dir.agent_lock(node)),
             settings.TRAINING_PYTHON, "-m", "training.agent",
             *agent_arguments(run, folder, node, rdzv, token), *store_args,
         ]  # fmt: skip
-        pids.append(_start_detached(command, folder / "logs" / f"agent-node{node}.log", env))
+        pids.append(_start_detached(command, run_dir.agent_log(node), env))
     return pids
 
 
 def agent_arguments(run: Run, folder: Path, node: int, rdzv: str, token: str) -> list[str]:
     return [
-        "--spec", str(folder / "spec.json"),
+        "--spec", str(RunDir(folder).spec_file),
         "--run-dir", str(folder),
         "--node-rank", str(node),
         "--rdzv-endpoint", rdzv,
@@ -98,7 +100,7 @@ def agents_alive(run: Run) -> bool:
     The lock, not a recorded pid, is the truth: a worker killed between starting an agent and
     saving its pid leaves no pid behind, but the agent still holds its lock.
     """
-    for lock in run.folder.glob("agent-node*.lock"):
+    for lock in run.run_dir.agent_locks():
         with lock.open("a") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -110,7 +112,7 @@ def agents_alive(run: Run) -> bool:
 
 def has_local_agents(run: Run) -> bool:
     """Whether this host ever started agents for the run (their lock files are here)."""
-    return any(run.folder.glob("agent-node*.lock"))
+    return bool(run.run_dir.agent_locks())
 
 
 def is_alive(pid: int) -> bool:
@@ -130,7 +132,7 @@ def is_alive(pid: int) -> bool:
 def request_cancel(run: Run) -> None:
     """Asks the agents to stop their ranks cleanly: a marker file they poll, and SIGTERM."""
     run.folder.mkdir(parents=True, exist_ok=True)
-    (run.folder / "cancel").touch()
+    run.run_dir.cancel_marker.touch()
     for pid in run.agent_pids:
         if is_alive(pid):
             try:

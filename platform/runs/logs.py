@@ -8,7 +8,7 @@ from runs.models import Run
 
 
 def tail(run: Run, rank: int, lines: int) -> list[str]:
-    path = run.folder / "logs" / f"rank{rank}.log"
+    path = run.run_dir.rank_log(rank)
     if not path.exists():
         return []
     with path.open("r", errors="replace") as f:

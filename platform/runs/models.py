@@ -7,6 +7,8 @@ from pathlib import Path
 from django.conf import settings
 from django.db import models
 
+from training.run_dir import RunDir
+
 
 class Dataset(models.Model):
     class Format(models.TextChoices):
@@ -88,9 +90,14 @@ class Run(models.Model):
         return settings.RUNS_DIR / f"{self.pk}-{self.created_at:%Y%m%d-%H%M%S-%f}"
 
     @property
+    def run_dir(self) -> RunDir:
+        """What the run's folder holds, named by the run folder contract."""
+        return RunDir(self.folder)
+
+    @property
     def tokenizer_dir(self) -> Path:
-        """Where this run's ranks keep the tokenizer they trained or were given (training/train.py)."""
-        return self.folder / "data" / "tokenizer"
+        """Where this run's ranks keep the tokenizer they trained or were given."""
+        return self.run_dir.tokenizer_dir
 
     @property
     def layout_label(self) -> str:

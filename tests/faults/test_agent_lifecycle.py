@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import Agents, training_spec, wait_for
-from training.agent import ExitCode, latest_committed_step
+from training.agent import ExitCode
 from training.heartbeat import read_beat
+from training.run_dir import RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +24,8 @@ def test_sigterm_cancels_the_run_stops_its_ranks_and_keeps_the_last_checkpoint(a
 
     final = run.events[-1]
     assert final["kind"] == "cancelled"
-    assert final["data"]["step"] == latest_committed_step(run.run_dir) >= 4
-    beats = sorted((run.run_dir / "node0" / "heartbeat").glob("rank*.json"))
+    assert final["data"]["step"] == RunDir(run.run_dir).latest_committed_step() >= 4
+    beats = sorted(RunDir(run.run_dir).node(0).heartbeat_dir.glob("rank*.json"))
     before = [read_beat(b) for b in beats]
     time.sleep(0.5)
     assert [read_beat(b) for b in beats] == before  # no rank is left beating
@@ -33,7 +34,7 @@ def test_sigterm_cancels_the_run_stops_its_ranks_and_keeps_the_last_checkpoint(a
 def test_a_cancel_file_in_the_run_folder_cancels_the_run(agents: Agents, tmp_path: Path) -> None:
     run = agents.start(training_spec(steps=400, checkpoint_interval=4), tmp_path / "run")
     wait_for(lambda: bool(run.of_kind("metrics")), 120, "the first step")
-    (run.run_dir / "cancel").touch()
+    RunDir(run.run_dir).cancel_marker.touch()
     assert run.wait(timeout=60) == ExitCode.CANCELLED, run.tail()
     assert run.events[-1]["kind"] == "cancelled"
 

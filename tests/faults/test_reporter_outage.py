@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tests.faults.harness import IngestServer, read_jsonl, wait_for
 from training.report import Reporter, ReporterConfig
+from training.run_dir import NodeDir
 
 OUTAGE_SECONDS = 10.0
 
@@ -17,7 +18,7 @@ def _reporter(tmp_path: Path, ingest: IngestServer, events_file: Path) -> Report
     return Reporter(
         ReporterConfig(
             source="node-0",
-            spool_dir=tmp_path / "node0",
+            spool=NodeDir(tmp_path / "node0"),
             events_url=ingest.url,
             run_token=ingest.token,
             tail_files=(events_file,),

@@ -9,18 +9,18 @@ import pytest
 
 from training.check_parity import launch, parity_spec, step_values
 from training.checkpoint import read_metadata, remove_uncommitted
-from training.checkpoint_paths import COMMITTED, checkpoint_path, committed_checkpoints, latest_checkpoint
 from training.config import DataConfig, RunSpec
 from training.metrics import METRIC_KEYS
+from training.run_dir import CheckpointDir, RunDir
 
 TIMEOUT = 600
 
 
 def make_checkpoint(run_dir: Path, step: int, committed: bool = True) -> Path:
-    path = checkpoint_path(run_dir, step)
+    path = RunDir(run_dir).checkpoint(step)
     path.mkdir(parents=True)
     if committed:
-        (path / COMMITTED).write_text(f"{step}\n")
+        CheckpointDir(path).committed_marker.write_text(f"{step}\n")
     return path
 
 
@@ -28,22 +28,22 @@ def test_the_newest_committed_checkpoint_wins_and_torn_ones_are_ignored(tmp_path
     make_checkpoint(tmp_path, 10)
     newest = make_checkpoint(tmp_path, 20)
     make_checkpoint(tmp_path, 30, committed=False)  # renamed into place, crashed before the marker
-    (checkpoint_path(tmp_path, 40).with_name("step_00000040.tmp")).mkdir()  # crashed while writing
-    assert latest_checkpoint(tmp_path) == newest
-    assert [p.name for p in committed_checkpoints(tmp_path)] == ["step_00000010", "step_00000020"]
+    RunDir(tmp_path).checkpoint_staging(40).mkdir()  # crashed while writing
+    assert RunDir(tmp_path).latest_checkpoint() == newest
+    assert [p.name for p in RunDir(tmp_path).committed_checkpoints()] == ["step_00000010", "step_00000020"]
 
 
 def test_cleaning_removes_only_what_was_never_committed(tmp_path: Path) -> None:
     make_checkpoint(tmp_path, 10)
     torn = make_checkpoint(tmp_path, 30, committed=False)
-    staging = checkpoint_path(tmp_path, 40).with_name("step_00000040.tmp")
+    staging = RunDir(tmp_path).checkpoint_staging(40)
     staging.mkdir()
     assert sorted(remove_uncommitted(tmp_path)) == sorted([torn, staging])
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000010"]
 
 
 def test_a_run_without_checkpoints_has_no_latest(tmp_path: Path) -> None:
-    assert latest_checkpoint(tmp_path) is None
+    assert RunDir(tmp_path).latest_checkpoint() is None
     assert remove_uncommitted(tmp_path) == []
 
 
@@ -57,9 +57,9 @@ def spec_for(data: DataConfig, steps: int, interval: int, **layout: object) -> R
 
 def resume_from(source_run: Path, step: int, run_dir: Path) -> None:
     """A fresh run folder that holds only the checkpoint of `step`, plus the debris of a crashed save."""
-    shutil.copytree(checkpoint_path(source_run, step), checkpoint_path(run_dir, step))
+    shutil.copytree(RunDir(source_run).checkpoint(step), RunDir(run_dir).checkpoint(step))
     make_checkpoint(run_dir, step + 1, committed=False)
-    checkpoint_path(run_dir, step + 2).with_name(f"step_{step + 2:08d}.tmp").mkdir()
+    RunDir(run_dir).checkpoint_staging(step + 2).mkdir()
 
 
 def test_a_resumed_run_repeats_the_uninterrupted_losses_bitwise(tiny_data: DataConfig, tmp_path: Path) -> None:
@@ -74,10 +74,10 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_bitwise(tiny_data: DataC
     assert resumed[0]["kind"] == "resumed" and resumed[0]["step"] == 3
     expected = {s: loss for s, loss in step_values(whole).items() if s > 3}
     assert step_values(resumed) == expected  # float equality: bitwise
-    assert [p.name for p in committed_checkpoints(tmp_path / "resumed")] == ["step_00000003", "step_00000006"]
-    assert read_metadata(checkpoint_path(tmp_path / "resumed", 6))["sampler"]["consumed"] == 6 * spec.train.global_batch
+    assert [p.name for p in RunDir(tmp_path / "resumed").committed_checkpoints()] == ["step_00000003", "step_00000006"]
+    assert read_metadata(RunDir(tmp_path / "resumed").checkpoint(6))["sampler"]["consumed"] == 6 * spec.train.global_batch
     # Rank 0's stdout is the run's log that users follow: a line on resume, per step, per checkpoint.
-    log = (tmp_path / "resumed" / "log.txt").read_text().splitlines()
+    log = RunDir(tmp_path / "resumed").standalone_log.read_text().splitlines()
     assert any(line.startswith("resumed from step 3 ") for line in log)
     assert [line.split()[1] for line in log if line.startswith("step ")] == ["4/6", "5/6", "6/6"]
     assert any(line.startswith("checkpoint step 6 committed at ") for line in log)
@@ -98,7 +98,7 @@ def test_async_checkpoints_commit_and_resume_exactly(tiny_data: DataConfig, tmp_
     whole = launch(spec, tmp_path / "whole", TIMEOUT)
     committed = [e["step"] for e in whole if e["kind"] == "checkpoint"]
     assert committed == [2, 4, 6]
-    assert [p.name for p in committed_checkpoints(tmp_path / "whole")] == ["step_00000004", "step_00000006"]
+    assert [p.name for p in RunDir(tmp_path / "whole").committed_checkpoints()] == ["step_00000004", "step_00000006"]
     resume_from(tmp_path / "whole", 4, tmp_path / "resumed")
     resumed = launch(spec, tmp_path / "resumed", TIMEOUT)
     assert step_values(resumed) == {s: v for s, v in step_values(whole).items() if s > 4}

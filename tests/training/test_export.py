@@ -9,9 +9,9 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from training.check_parity import launch, parity_spec
-from training.checkpoint_paths import latest_checkpoint
 from training.config import DataConfig, RunSpec
 from training.export import export, load_model
+from training.run_dir import RunDir
 
 PROMPTS = [
     "Ada arrived at the harbour with a lantern.",
@@ -28,7 +28,7 @@ def checkpoint(tiny_data: DataConfig, tmp_path_factory: pytest.TempPathFactory) 
     spec = RunSpec.from_dict({**spec.to_dict(), "data": vars(tiny_data)})
     run_dir = tmp_path_factory.mktemp("run")
     launch(spec, run_dir, timeout=600)
-    found = latest_checkpoint(run_dir)
+    found = RunDir(run_dir).latest_checkpoint()
     assert found is not None
     return found
 
