@@ -50,7 +50,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from training.config import RunSpec, SpecError
+from training.config import RunSpec
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
 from training.rankenv import RankEnvironment, RankError
 from training.ranks import (
@@ -137,26 +137,6 @@ class Outcome:
     data: dict[str, Any]
 
 
-def effective_spec(spec: RunSpec, *, world_size: int, nodes: int, nproc: int) -> RunSpec:
-    """The spec the ranks get when the rendezvous formed a world of another size than planned.
-
-    Only data parallelism shrinks: tp·pp groups stay whole (`RunSpec` checked that `nodes.min`
-    allows that), the global batch stays, so every dp replica takes a larger share of it and the
-    optimisation continues as planned; the trainer reshards from the checkpoint.
-    """
-    if world_size == spec.layout.world_size:
-        return spec
-    group = spec.layout.tp * spec.layout.pp
-    if world_size % group:
-        raise SpecError("layout", f"world size {world_size} does not hold whole tp·pp groups of {group}")
-    data = spec.to_dict()
-    data["layout"]["dp"] = world_size // group
-    data["nodes"].update(max=nodes, min=min(spec.nodes.min, nodes), nproc_per_node=nproc)
-    # Faults aimed at ranks that no longer exist can no longer fire.
-    data["faults"] = [f for f in data["faults"] if f["rank"] < world_size]
-    return RunSpec.from_dict(data)
-
-
 class NodeAgent(SimpleElasticAgent):
     def __init__(self, config: AgentConfig, spec: RunSpec, reporter: Reporter, worker_spec: WorkerSpec) -> None:
         super().__init__(worker_spec, exit_barrier_timeout=config.exit_barrier_timeout)
@@ -201,8 +181,7 @@ class NodeAgent(SimpleElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         world_size = worker_group.workers[0].world_size
-        spec = effective_spec(
-            self.spec,
+        spec = self.spec.resized(
             world_size=world_size,
             nodes=int(worker_group.group_world_size or 0),
             nproc=len(worker_group.workers),

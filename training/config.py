@@ -11,6 +11,7 @@ Pure Python: no torch at import, so the control plane validates specs without lo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -318,6 +319,28 @@ class RunSpec:
     @property
     def nproc_per_node(self) -> int:
         return self.nodes.nproc_per_node or self.layout.world_size // self.nodes.max
+
+    def resized(self, *, world_size: int, nodes: int, nproc: int) -> RunSpec:
+        """This spec for a world the rendezvous formed with another size than planned.
+
+        Only data parallelism shrinks: tp·pp groups stay whole (`nodes.min` was checked to allow
+        that), the global batch stays, so every dp replica takes a larger share of it and the
+        optimisation continues as planned; the trainer reshards from the checkpoint. Built from
+        this spec's values (every section checks itself again), not by parsing it anew.
+        """
+        if world_size == self.layout.world_size:
+            return self
+        group = self.layout.tp * self.layout.pp
+        if world_size % group:
+            raise SpecError("layout", f"world size {world_size} does not hold whole tp·pp groups of {group}")
+        spec = copy.deepcopy(self)
+        return dataclasses.replace(
+            spec,
+            layout=dataclasses.replace(spec.layout, dp=world_size // group),
+            nodes=dataclasses.replace(spec.nodes, max=nodes, min=min(spec.nodes.min, nodes), nproc_per_node=nproc),
+            # Faults aimed at ranks that no longer exist can no longer fire.
+            faults=[f for f in spec.faults if f.rank < world_size],
+        )
 
     # --- JSON round trip -------------------------------------------------------------------
 

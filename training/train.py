@@ -96,17 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def keep_spec(path: Path, spec_text: str) -> None:
-    """Copies the spec into the run folder. Atomically, and only if it differs: the file given with
-    --spec is often this very file, and the other ranks may be reading it right now."""
-    if path.exists() and path.read_text() == spec_text:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(spec_text)
-    tmp.replace(path)
-
-
-def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
+def run(spec: RunSpec, run_dir: Path) -> None:
     # torchrun's contract: RANK and WORLD_SIZE name this process; absent, it is a single process.
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -122,7 +112,6 @@ def run(spec: RunSpec, run_dir: Path, spec_text: str) -> None:
         dist.init_process_group(device.backend, timeout=COLLECTIVE_TIMEOUT)
     events = None
     if rank == 0:
-        keep_spec(RunDir(run_dir).spec_file, spec_text)
         events = EventLog(Path(os.environ.get(EVENTS_FILE, RunDir(run_dir).events_file)))
     trainer = Trainer(
         spec=spec,
@@ -166,13 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints a stuck rank's stacks
     try:
-        spec_text = args.spec.read_text()
-        spec = RunSpec.from_json(spec_text)
+        spec = RunSpec.from_json(args.spec.read_text())
     except (OSError, ValueError) as exc:  # SpecError is a ValueError
         fail_for_good(NonRetryable("spec", f"{args.spec}: {exc}"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        run(spec, args.run_dir, spec_text)
+        run(spec, args.run_dir)
     except NonRetryable as exc:
         fail_for_good(exc)
     except BaseException:

@@ -10,6 +10,7 @@ of several nodes also gets its rendezvous store as a process of its own
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import secrets
 import signal
@@ -20,7 +21,6 @@ from pathlib import Path
 from django.conf import settings
 
 from runs.models import Run
-from training.config import RunSpec
 from training.run_dir import RunDir
 
 
@@ -31,20 +31,17 @@ def _free_port() -> int:
 
 
 def prepare(run: Run) -> tuple[Path, str]:
-    """Writes the run's spec file with the data paths filled in; returns the folder and a fresh run token.
+    """Writes the run's spec file; returns the folder and a fresh run token.
 
-    The paths come only from the objects the run names (its Dataset, the run whose tokenizer it
-    reuses), both its owner's own: whatever a stored spec says, a rank reads nothing else.
+    The spec is written as it was stored at submit, resolved and checked (data paths included,
+    filled in from the objects the run names): nothing here parses or changes it.
     """
     folder = run.run_dir
     folder.logs_dir.mkdir(parents=True, exist_ok=True)
     # A resumed run starts in the folder its cancel was requested in: the request is spent.
     folder.cancel_marker.unlink(missing_ok=True)
-    spec = RunSpec.from_dict(run.spec)
-    spec.data.dataset = run.dataset.path if run.dataset is not None else ""
-    spec.data.tokenizer = str(run.tokenizer_run.tokenizer_dir) if run.tokenizer_run is not None else ""
     tmp = folder.spec_file.with_name(folder.spec_file.name + ".tmp")
-    tmp.write_text(spec.to_json())
+    tmp.write_text(json.dumps(run.spec, indent=2, sort_keys=True))  # as RunSpec.to_json writes it
     tmp.replace(folder.spec_file)
     return folder.path, secrets.token_urlsafe(32)
 
@@ -59,12 +56,11 @@ def _start_detached(command: list[str], log_path: Path, env: dict[str, str]) -> 
 
 
 def start_agents(run: Run, folder: Path, token: str) -> list[int]:
-    spec = RunSpec.from_dict(run.spec)
     run_dir = RunDir(folder)
     rdzv = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONPATH=str(settings.REPO_DIR), OMP_NUM_THREADS="1")
     store_args: list[str] = []
-    if spec.nodes.max > 1:
+    if run.node_count > 1:
         # It leaves by itself once no agent of the run holds its lock; the agents only connect.
         _start_detached(
             [settings.TRAINING_PYTHON, "-m", "training.rendezvous_store", "--endpoint", rdzv, "--run-dir", str(folder)],
@@ -73,7 +69,7 @@ def start_agents(run: Run, folder: Path, token: str) -> list[int]:
         )
         store_args = ["--host-store", "no"]
     pids = []
-    for node in range(spec.nodes.max):
+    for node in range(run.node_count):
         command = [
             "flock", "-n", "-E", "75", str(run_dir.agent_lock(node)),
             settings.TRAINING_PYTHON, "-m", "training.agent",

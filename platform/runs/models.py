@@ -53,7 +53,10 @@ class Run(models.Model):
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="tokenizer_reusers",
         help_text="An earlier run of the same owner whose tokenizer this run reuses; empty: trained on the dataset.",
     )  # fmt: skip
-    spec = models.JSONField(help_text="A validated training.config.RunSpec as plain data.")
+    spec = models.JSONField(
+        help_text="The run's training.config.RunSpec as plain data, checked and resolved at submit "
+        "(data paths filled in from its dataset and tokenizer run)."
+    )
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED, db_index=True)
     status_reason = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)
@@ -103,6 +106,11 @@ class Run(models.Model):
     def layout_label(self) -> str:
         layout = self.spec.get("layout", {})
         return f"{layout.get('dp', 1)}×{layout.get('tp', 1)}×{layout.get('pp', 1)}"
+
+    @property
+    def node_count(self) -> int:
+        """How many node agents the run starts: its spec's nodes.max."""
+        return int(self.spec.get("nodes", {}).get("max", 1))
 
     @property
     def total_steps(self) -> int:

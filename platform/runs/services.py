@@ -7,6 +7,7 @@ transaction commits, so a websocket never shows what the database does not hold.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from django.utils import timezone
 from tokenizers import Tokenizer
 
 from runs.models import Checkpoint, Dataset, Run, RunEvent
-from training.config import RECIPES, RunSpec, SpecError
+from training.config import RECIPES, DataConfig, RunSpec, SpecError
 
 CONTROL_SOURCE = "control"
 
@@ -70,7 +71,7 @@ def check_spec(spec: dict[str, Any], recipe: str = "tiny") -> RunSpec:
 
 
 # What a user names instead of each path the ranks read: objects the control plane checks the
-# owner of, and turns into paths itself when it prepares the run folder (runs/launcher.py).
+# owner of, and turns into paths itself when it stores the run (`resolve_data`).
 _DATA_OBJECT_FOR_PATH = {
     "dataset": 'choose one of your datasets with the run\'s "dataset" field (a dataset id)',
     "tokenizer": 'reuse the tokenizer of one of your runs with the run\'s "tokenizer_run" field (a run id)',
@@ -223,13 +224,30 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def resolve_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None) -> RunSpec:
+    """The spec with the paths of the objects the run names, and only those: the dataset's file
+    and the tokenizer the other run's ranks keep in its folder. Empty: the demo corpus, and a
+    tokenizer trained on the data."""
+    data = DataConfig(
+        dataset=dataset.path if dataset is not None else "",
+        tokenizer=str(tokenizer_run.tokenizer_dir) if tokenizer_run is not None else "",
+    )
+    return dataclasses.replace(spec, data=data)
+
+
 def do_create_run(
     owner: Any, name: str, spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None = None
 ) -> Run:
-    """Queues a run. `dataset` and `tokenizer_run` must be the owner's own: callers resolve ids among them."""
+    """Queues a run. `dataset` and `tokenizer_run` must be the owner's own: callers resolve ids among them.
+
+    The spec is stored resolved, data paths included: from here to the ranks nobody parses or
+    fills it in again (the launcher writes it as stored)."""
     check_run_data(spec, dataset, tokenizer_run)
+    resolved = resolve_data(spec, dataset, tokenizer_run)
     with transaction.atomic():
-        run = Run.objects.create(owner=owner, name=name, spec=spec.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run)
+        run = Run.objects.create(
+            owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run
+        )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         transaction.on_commit(lambda: _enqueue_launch(run.pk))
     return run

@@ -102,8 +102,8 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         body_check = CloneSerializer(data=request.data)
         body_check.is_valid(raise_exception=True)
         edits: dict[str, Any] = body_check.validated_data
-        # The source's data section holds only what the launcher filled in; the clone names its
-        # data through the same objects (or the edits' own), never through a stored path.
+        # The source's data section holds the paths resolved from its objects at submit; the clone
+        # names its data through the same objects (or the edits' own), never through a stored path.
         spec = {section: values for section, values in source.spec.items() if section != "data"}
         body: dict[str, Any] = {
             "name": edits.get("name") or f"{source.name} (clone)",

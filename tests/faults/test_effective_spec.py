@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from training.agent import effective_spec
 from training.config import RunSpec, SpecError, tiny
 
 
@@ -17,11 +16,11 @@ def _planned() -> RunSpec:
 
 def test_the_planned_world_keeps_the_spec_as_it_is() -> None:
     spec = _planned()
-    assert effective_spec(spec, world_size=4, nodes=2, nproc=2) is spec
+    assert spec.resized(world_size=4, nodes=2, nproc=2) is spec
 
 
 def test_losing_a_node_shrinks_data_parallel_and_keeps_tensor_parallel_and_the_global_batch() -> None:
-    shrunk = effective_spec(_planned(), world_size=2, nodes=1, nproc=2)
+    shrunk = _planned().resized(world_size=2, nodes=1, nproc=2)
     assert (shrunk.layout.dp, shrunk.layout.tp, shrunk.layout.world_size) == (1, 2, 2)
     assert shrunk.train.global_batch == _planned().train.global_batch
     assert (shrunk.nodes.min, shrunk.nodes.max, shrunk.nodes.nproc_per_node) == (1, 1, 2)
@@ -30,4 +29,4 @@ def test_losing_a_node_shrinks_data_parallel_and_keeps_tensor_parallel_and_the_g
 
 def test_a_world_that_splits_a_tensor_parallel_group_is_refused() -> None:
     with pytest.raises(SpecError, match="whole tp·pp groups"):
-        effective_spec(_planned(), world_size=3, nodes=1, nproc=3)
+        _planned().resized(world_size=3, nodes=1, nproc=3)

@@ -18,6 +18,7 @@ from runs import launcher
 from runs.models import Dataset, Run
 from tests.platform.conftest import client_for
 from training.data import save_tokenizer, train_tokenizer
+from training.run_dir import RunDir
 
 pytestmark = pytest.mark.django_db
 
@@ -124,23 +125,21 @@ def test_a_tokenizer_run_must_have_a_tokenizer_that_fits_the_vocabulary(alice, a
     assert response.json()["tokenizer_run"] == earlier.pk
 
 
-def test_the_launcher_writes_only_the_paths_of_the_objects_a_run_names(alice, alice_api, alices_upload):
+def test_a_run_stores_the_paths_of_the_objects_it_names_and_the_launcher_writes_them(alice, alice_api, alices_upload):
     earlier = Run.objects.create(owner=alice, name="earlier", spec={})
     give_tokenizer(earlier)
     created = alice_api.post(
         "/api/runs/", {"name": "x", "dataset": alices_upload.pk, "tokenizer_run": earlier.pk}, format="json"
     ).json()
     run = Run.objects.get(pk=created["id"])
-    assert run.spec["data"] == {"dataset": "", "tokenizer": ""}, "the stored spec holds no path"
-    # A spec stored before this rule (or written by hand in the database) is overruled.
-    run.spec["data"] = {"dataset": "/etc/services", "tokenizer": "/etc"}
+    # Resolved at submit, from the objects only: the API refuses a path from the user.
+    assert run.spec["data"] == {"dataset": alices_upload.path, "tokenizer": str(earlier.tokenizer_dir)}
     folder, _ = launcher.prepare(run)
-    written = json.loads((folder / "spec.json").read_text())["data"]
-    assert written == {"dataset": alices_upload.path, "tokenizer": str(earlier.tokenizer_dir)}
+    assert json.loads(RunDir(folder).spec_file.read_text()) == run.spec
 
-    run.dataset, run.tokenizer_run = None, None
-    folder, _ = launcher.prepare(run)
-    assert json.loads((folder / "spec.json").read_text())["data"] == {"dataset": "", "tokenizer": ""}
+    plain = alice_api.post("/api/runs/", {"name": "y"}, format="json").json()
+    folder, _ = launcher.prepare(Run.objects.get(pk=plain["id"]))
+    assert json.loads(RunDir(folder).spec_file.read_text())["data"] == {"dataset": "", "tokenizer": ""}
 
 
 def test_a_clone_keeps_the_sources_data_objects(alice, alice_api, alices_upload):
