@@ -138,7 +138,9 @@ class Checkpointer:
         tokenizer_dir: Path,
         rank: int,
         hooks: list[TrainHook],
-        on_commit: Callable[[int, Path], None] | None = None,  # rank 0, after each commit, on the caller's thread
+        # Rank 0, right after each commit: on the caller's thread, or a background save's own
+        # thread, so the report cannot be lost to a failure between the commit and the next poll.
+        on_commit: Callable[[int, Path], None] | None = None,
     ) -> None:
         self.run_dir = RunDir(run_dir)
         self.parts = parts
@@ -240,6 +242,8 @@ class Checkpointer:
             # different ranks could not meet).
             if self.rank == 0:
                 self._commit(step, staging, trainer_state)
+                if self.on_commit is not None:
+                    self.on_commit(step, self.run_dir.checkpoint(step))
 
         self.pending = _PendingSave(step, response.staging_completion, self._finisher.submit(finish))
 
@@ -271,8 +275,6 @@ class Checkpointer:
         assert pending is not None
         pending.staged.result()
         pending.finished.result()
-        if self.rank == 0 and self.on_commit is not None:
-            self.on_commit(pending.step, self.run_dir.checkpoint(pending.step))
 
     def _commit(self, step: int, staging: Path, trainer_state: dict[str, Any]) -> None:
         metadata = {

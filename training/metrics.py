@@ -5,7 +5,7 @@ Event contract (one JSON object per line, appended and flushed line by line):
     {"kind": "metrics", "time": t, "step": n, "loss": f, "lr": f, "grad_norm": f,
      "tokens_per_s": f, "mfu": f, "step_time": f, "memory_mb": f}
     {"kind": "checkpoint", "time": t, "step": n, "path": "<committed checkpoint dir>"}
-    {"kind": "resumed", "time": t, "step": n}        # started from the checkpoint of step n
+    {"kind": "resumed", "time": t, "step": n, "path": "<its checkpoint dir>"}  # started from step n
     {"kind": "finished", "time": t, "step": n}
 
 `tokens_per_s` is the step's tokens over the wall time since the previous step ended (the step's
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -36,17 +37,22 @@ METRIC_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "m
 
 
 class EventLog:
-    """Appends events to a JSON-lines file; each line is flushed so a tailing reader sees it at once."""
+    """Appends events to a JSON-lines file; each line is flushed so a tailing reader sees it at once.
+
+    Thread-safe: a background checkpoint save reports its commit from its own thread."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file: TextIO = path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"kind": kind, "time": time.time(), **fields}
-        self._file.write(json.dumps(event) + "\n")
-        self._file.flush()
+        line = json.dumps(event) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
         return event
 
     def close(self) -> None:

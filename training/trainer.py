@@ -241,7 +241,7 @@ class Trainer:
         if self.rank == 0:
             say(f"resumed from step {state['step']} ({checkpoint})")
         if self.events is not None:
-            self.events.emit("resumed", step=state["step"])
+            self.events.emit("resumed", step=state["step"], path=str(checkpoint))
         return int(state["step"])
 
     def fit(self) -> int:

@@ -428,7 +428,9 @@ def _apply(run: Run, events: list[RunEvent]) -> list[RunEvent]:
         data = event.data
         if event.kind == "metrics":
             changes.update(step=data.get("step", 0), last_loss=data.get("loss"), tokens_per_s=data.get("tokens_per_s"))
-        elif event.kind == "checkpoint":
+        elif event.kind == "checkpoint" or (event.kind == "resumed" and data.get("path")):
+            # A run resumes only from a committed checkpoint: if the rank that committed it died
+            # before reporting it, the resume reports it.
             Checkpoint.objects.get_or_create(run=run, step=data["step"], defaults={"path": data["path"]})
         elif event.kind == "restarting":
             restarts += 1
