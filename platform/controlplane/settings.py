@@ -225,6 +225,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "controlplane.schema.Schema",
     "DEFAULT_PAGINATION_CLASS": "controlplane.api.Pagination",
+    "EXCEPTION_HANDLER": "controlplane.exceptions.exception_handler",  # InvalidInput → 400, WrongState → 409
     # The API reads JSON; the one upload (a dataset file) declares its multipart parser itself.
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
 }

@@ -18,6 +18,8 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 from django.db.models import Model
 
+from controlplane.events import events_after
+
 # With the in-memory channel layer, events recorded by another process (a Celery worker) are
 # not published to this one; the consumer also polls the database this often to catch them.
 CATCH_UP_SECONDS = 1.0
@@ -29,7 +31,7 @@ REPLAY_BATCH = 2000
 
 class EventStreamConsumer(AsyncJsonWebsocketConsumer):
     """Subclasses say which model the URL names and its channel group. The model has an `owner`
-    and `events` (with `seq` and `as_message()`); group messages of type `stream.events` carry
+    and `events` (`controlplane.events.Event`); group messages of type `stream.events` carry
     `{"events": [...]}` with seqs."""
 
     url_kwarg = ""
@@ -44,9 +46,6 @@ class EventStreamConsumer(AsyncJsonWebsocketConsumer):
 
     def group_for(self, object_id: int) -> str:
         raise NotImplementedError
-
-    def events_after(self, subject: Any, after: int, limit: int) -> list[dict[str, Any]]:
-        return [e.as_message() for e in subject.events.filter(seq__gt=after).order_by("seq")[:limit]]
 
     async def on_started(self) -> None:
         """Called once the history is sent; subclasses may start extra feeds."""
@@ -102,7 +101,7 @@ class EventStreamConsumer(AsyncJsonWebsocketConsumer):
     async def _send_from_db(self) -> None:
         async with self.lock:
             while True:
-                events = await database_sync_to_async(self.events_after)(self.subject, self.sent_seq, REPLAY_BATCH)
+                events = await database_sync_to_async(events_after)(self.subject.events.all(), self.sent_seq, REPLAY_BATCH)
                 if not events:
                     return
                 await self.send_json({"type": "events", "events": events})

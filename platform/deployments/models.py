@@ -9,6 +9,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import models
 
+from controlplane.events import Event
 from runs.models import Checkpoint
 
 
@@ -68,21 +69,14 @@ class Replica(models.Model):
         constraints = [models.UniqueConstraint(fields=["deployment", "index"], name="replica_index_unique")]
 
 
-class DeploymentEvent(models.Model):
+class DeploymentEvent(Event):
     """Replica lifecycle and serving metrics, ordered per deployment like a run's events."""
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="events")
-    seq = models.BigIntegerField()
-    kind = models.CharField(max_length=32, db_index=True)
-    time = models.DateTimeField()
-    data = models.JSONField(default=dict)
 
     class Meta:
         ordering = ["deployment", "seq"]
         constraints = [models.UniqueConstraint(fields=["deployment", "seq"], name="deployment_event_seq_unique")]
-
-    def as_message(self) -> dict:
-        return {"seq": self.seq, "kind": self.kind, "time": self.time.timestamp(), **self.data}
 
 
 class ApiKey(models.Model):

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.db import transaction
-from django.db.models import F
 from django.utils import timezone
 
+from controlplane.events import publish_on_commit, reserve_seqs
+from controlplane.exceptions import InvalidInput, WrongState
+from controlplane.queue import enqueue_on_commit
 from deployments.models import ApiKey, Deployment, DeploymentEvent
+from deployments.options import check_options
 from runs.models import Checkpoint
-from runs.services import InvalidInput, WrongState
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 
@@ -49,8 +50,6 @@ def check_checkpoint(checkpoint: Checkpoint) -> None:
 def do_create_deployment(
     owner: Any, checkpoint: Checkpoint, *, name: str, served_model_name: str, replicas: int, options: dict[str, Any]
 ) -> Deployment:
-    from deployments.supervision import check_options
-
     check_checkpoint(checkpoint)
     served = check_served_model_name(served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-"))
     check_options(options, checkpoint.export_path)
@@ -59,32 +58,40 @@ def do_create_deployment(
             owner=owner, name=name or served, checkpoint=checkpoint, served_model_name=served, replicas=replicas, options=options
         )
         do_record(deployment, "created", {"replicas": replicas, "checkpoint": checkpoint.pk})
-        transaction.on_commit(lambda: _enqueue_start(deployment.pk))
+        enqueue_on_commit("deployments.tasks.start_deployment", deployment.pk)
     return deployment
-
-
-def _enqueue_start(deployment_id: int) -> None:
-    from deployments.tasks import start_deployment
-
-    start_deployment.delay(deployment_id)
 
 
 def do_stop_deployment(deployment: Deployment) -> Deployment:
     with transaction.atomic():
-        if not Deployment.objects.filter(pk=deployment.pk, status__in=Deployment.ACTIVE).update(
-            status=Deployment.Status.STOPPING
-        ):
+        if not do_set_status(deployment, Deployment.Status.STOPPING, only_from=Deployment.ACTIVE, event="stopping"):
             raise WrongState("status", f"only active deployments can be stopped; this one is {deployment.status}")
-        do_record(deployment, "stopping", {})
-        transaction.on_commit(lambda: _enqueue_stop(deployment.pk))
-    deployment.refresh_from_db()
+        enqueue_on_commit("deployments.tasks.stop_deployment", deployment.pk)
     return deployment
 
 
-def _enqueue_stop(deployment_id: int) -> None:
-    from deployments.tasks import stop_deployment
-
-    stop_deployment.delay(deployment_id)
+def do_set_status(
+    deployment: Deployment,
+    status: str,
+    *,
+    only_from: Iterable[str],
+    reason: str | None = None,
+    event: str | None = "status",
+    data: dict[str, Any] | None = None,
+) -> bool:
+    """Moves the deployment to `status` if it is in one of `only_from`, and records `event` (with
+    `data`) in the same transaction; False, and nothing recorded, if it had moved on. `reason`
+    replaces `status_reason` when given; `event=None` records nothing (a task's claim)."""
+    changes: dict[str, Any] = {"status": status}
+    if reason is not None:
+        changes["status_reason"] = reason
+    with transaction.atomic():
+        if not Deployment.objects.filter(pk=deployment.pk, status__in=list(only_from)).update(**changes):
+            return False
+        if event is not None:
+            do_record(deployment, event, data or {})
+    deployment.refresh_from_db()
+    return True
 
 
 def do_issue_key(deployment: Deployment, name: str = "") -> tuple[ApiKey, str]:
@@ -95,11 +102,9 @@ def do_issue_key(deployment: Deployment, name: str = "") -> tuple[ApiKey, str]:
 def do_record(deployment: Deployment, kind: str, data: dict[str, Any]) -> DeploymentEvent:
     """Appends an event to the deployment's history and publishes it after commit."""
     with transaction.atomic():
-        Deployment.objects.filter(pk=deployment.pk).update(last_seq=F("last_seq") + 1, last_report_at=timezone.now())
-        seq = Deployment.objects.values_list("last_seq", flat=True).get(pk=deployment.pk)
+        seq = reserve_seqs(Deployment, deployment.pk, 1, last_report_at=timezone.now())
         event = DeploymentEvent.objects.create(deployment=deployment, seq=seq, kind=kind, time=timezone.now(), data=data)
-        message = event.as_message()
-        transaction.on_commit(lambda: publish(deployment.pk, [message]))
+        publish_on_commit(group(deployment.pk), [event.as_message()])
     return event
 
 
@@ -110,12 +115,6 @@ def log_tail(deployment: Deployment, replica: int, lines: int) -> list[str]:
         return []
     with path.open("r", errors="replace") as f:
         return [line.rstrip("\n") for line in deque(f, maxlen=lines)]
-
-
-def publish(deployment_id: int, messages: list[dict[str, Any]]) -> None:
-    layer = get_channel_layer()
-    if layer is not None:
-        async_to_sync(layer.group_send)(group(deployment_id), {"type": "stream.events", "events": messages})
 
 
 def group(deployment_id: int) -> str:

@@ -1,8 +1,8 @@
 """The bridge between deployment rows and `serving`'s detached replica supervisors.
 
-The supervisor process owns the replicas; this module starts and stops it, checks options
-against the checkpoint and the device, and turns its files (events.jsonl, state.json) and the
-replicas' /metrics into the deployment's rows and events.
+The supervisor process owns the replicas; this module starts and stops it (with the options
+`deployments.options` resolved), and turns its state and event files and the replicas' /metrics
+into the deployment's rows and events.
 """
 
 from __future__ import annotations
@@ -21,40 +21,14 @@ from django.utils import timezone
 
 from deployments import services
 from deployments.models import Deployment, Replica
+from deployments.options import check_options
 from runs import exports
-from runs.services import InvalidInput
 from serving import metrics as replica_metrics
 from serving.supervisor import DeploymentConfig, launch_detached, read_events, read_state, request_stop
-from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible
 
 # Replica metrics are scraped with this budget each sync; a replica slower than that is skipped
 # this round rather than holding up every other deployment's sync.
 SCRAPE_TIMEOUT_SECONDS = 1.5
-
-
-def device() -> DeviceInfo:
-    return DeviceInfo.local_cpu() if settings.SERVING_DEVICE == "cpu" else DeviceInfo(kind="cuda")
-
-
-def check_options(options: dict[str, Any], export_path: str = "") -> ReplicaOptions:
-    """Replica options, checked against the device (and the checkpoint once it is exported).
-
-    Without a max_model_len, a replica serves the checkpoint's whole context (capped at 1024 on
-    CPU and 8192 elsewhere, vLLM's KV cache being sized for it)."""
-    try:
-        given = {"device": settings.SERVING_DEVICE, **options}
-        checkpoint = CheckpointInfo.read(export_path) if export_path else None
-        if "max_model_len" not in options and checkpoint is not None and checkpoint.max_position_embeddings:
-            cap = 1024 if settings.SERVING_DEVICE == "cpu" else 8192
-            given["max_model_len"] = min(checkpoint.max_position_embeddings, cap)
-        checked = ReplicaOptions.from_dict(given)
-        if checkpoint is not None:
-            check_compatible(checked, checkpoint, device())
-    except OptionError as exc:
-        raise InvalidInput(f"options.{exc.field}", exc.message) from None
-    except TypeError as exc:
-        raise InvalidInput("options", str(exc)) from None
-    return checked
 
 
 def config_for(deployment: Deployment, export_path: Path) -> DeploymentConfig:
@@ -124,10 +98,12 @@ def sync(deployment: Deployment) -> None:
                 else Deployment.Status.DEGRADED if ready and deployment.status != Deployment.Status.STARTING
                 else None
             )
-            if new_status and Deployment.objects.filter(
-                pk=deployment.pk, status__in=[Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
-            ).exclude(status=new_status).update(status=new_status):
-                services.do_record(deployment, "status", {"status": new_status, "ready": len(ready), "replicas": len(state.replicas)})
+            serving = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
+            if new_status:
+                services.do_set_status(
+                    deployment, new_status, only_from=[s for s in serving if s != new_status],
+                    data={"status": new_status, "ready": len(ready), "replicas": len(state.replicas)},
+                )  # fmt: skip
     if new_offset != offset:
         offset_file.write_text(str(new_offset))
     if ready:

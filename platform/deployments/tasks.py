@@ -4,26 +4,28 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from deployments import services
+from controlplane.processes import is_alive
+from deployments import services, supervision
 from deployments.models import Deployment
-from runs.launcher import is_alive
+
+# Deployments whose supervisor should be running.
+SUPERVISED = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
 
 
 @shared_task
 def start_deployment(deployment_id: int) -> str:
-    claimed = Deployment.objects.filter(pk=deployment_id, status=Deployment.Status.PENDING).update(
-        status=Deployment.Status.STARTING
-    )
-    if not claimed:
-        return "already claimed"
     deployment = Deployment.objects.get(pk=deployment_id)
-    from deployments import supervision
-
+    if not services.do_set_status(
+        deployment, Deployment.Status.STARTING, only_from=[Deployment.Status.PENDING], event=None
+    ):
+        return "already claimed"
     try:
         pid = supervision.start(deployment)
     except Exception as exc:  # an export or option failure ends this deployment, with the reason
-        Deployment.objects.filter(pk=deployment_id).update(status=Deployment.Status.FAILED, status_reason=str(exc))
-        services.do_record(deployment, "failed", {"reason": str(exc)})
+        services.do_set_status(
+            deployment, Deployment.Status.FAILED, only_from=Deployment.Status.values, reason=str(exc),
+            event="failed", data={"reason": str(exc)},
+        )  # fmt: skip
         raise
     Deployment.objects.filter(pk=deployment_id).update(supervisor_pid=pid)
     services.do_record(deployment, "supervisor_started", {"pid": pid})
@@ -33,14 +35,13 @@ def start_deployment(deployment_id: int) -> str:
 @shared_task
 def stop_deployment(deployment_id: int) -> str:
     deployment = Deployment.objects.get(pk=deployment_id)
-    from deployments import supervision
-
     supervision.stop(deployment)
     # The supervisor's last events and states (replicas stopped), then what its exit implies.
     supervision.sync(deployment)
     supervision.mark_stopped(deployment)
-    Deployment.objects.filter(pk=deployment_id, status=Deployment.Status.STOPPING).update(status=Deployment.Status.STOPPED)
-    services.do_record(deployment, "stopped", {})
+    services.do_set_status(
+        deployment, Deployment.Status.STOPPED, only_from=[Deployment.Status.STOPPING], event="stopped"
+    )
     return "stopped"
 
 
@@ -48,15 +49,13 @@ def stop_deployment(deployment_id: int) -> str:
 def reconcile_deployments() -> int:
     """Fails active deployments whose supervisor process is gone; returns how many."""
     failed = 0
-    for deployment in Deployment.objects.filter(
-        status__in=[Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED],
-        supervisor_pid__isnull=False,
-    ):
+    for deployment in Deployment.objects.filter(status__in=SUPERVISED, supervisor_pid__isnull=False):
         if deployment.supervisor_pid is not None and not is_alive(deployment.supervisor_pid):
-            if Deployment.objects.filter(pk=deployment.pk, status=deployment.status).update(
-                status=Deployment.Status.FAILED, status_reason="the replica supervisor exited"
-            ):
-                services.do_record(deployment, "failed", {"reason": "the replica supervisor exited"})
+            reason = "the replica supervisor exited"
+            if services.do_set_status(
+                deployment, Deployment.Status.FAILED, only_from=[deployment.status], reason=reason,
+                event="failed", data={"reason": reason},
+            ):  # fmt: skip
                 failed += 1
     return failed
 
@@ -64,11 +63,7 @@ def reconcile_deployments() -> int:
 @shared_task
 def sync_deployments() -> int:
     """Collects replica events, state and metrics of every live deployment; returns how many."""
-    from deployments import supervision
-
-    live = Deployment.objects.filter(
-        status__in=[Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED, Deployment.Status.STOPPING]
-    )
+    live = Deployment.objects.filter(status__in=[*SUPERVISED, Deployment.Status.STOPPING])
     for deployment in live:
         supervision.sync(deployment)
     return len(live)

@@ -12,8 +12,6 @@ from rest_framework.response import Response
 from deployments import services
 from deployments.models import Deployment
 from deployments.serializers import ApiKeySerializer, DeploymentEventSerializer, DeploymentSerializer
-from runs.serializers import raise_invalid
-from runs.services import InvalidInput
 from runs.views import events_after_response, owned
 
 # Lines of a replica's log the start-up panel shows: the last screenful of vLLM's progress.
@@ -41,25 +39,19 @@ class DeploymentViewSet(
 
     def perform_create(self, serializer: Any) -> None:
         data = serializer.validated_data
-        try:
-            serializer.instance = services.do_create_deployment(
-                self.request.user,
-                data["checkpoint"],
-                name=data.get("name", ""),
-                served_model_name=data.get("served_model_name", ""),
-                replicas=data["replicas"],
-                options=data["options"],
-            )
-        except InvalidInput as exc:
-            raise_invalid(exc)
+        serializer.instance = services.do_create_deployment(
+            self.request.user,
+            data["checkpoint"],
+            name=data.get("name", ""),
+            served_model_name=data.get("served_model_name", ""),
+            replicas=data["replicas"],
+            options=data["options"],
+        )
 
     @extend_schema(request=None, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str) -> Response:
-        try:
-            deployment = services.do_stop_deployment(self.get_object())
-        except InvalidInput as exc:
-            raise_invalid(exc)
+        deployment = services.do_stop_deployment(self.get_object())
         return Response(DeploymentSerializer(deployment, context={"request": request}).data)
 
     @extend_schema(

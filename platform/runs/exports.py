@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
+import shutil
 import subprocess
 from pathlib import Path
 
 from django.conf import settings
 
+from controlplane.processes import python_env
 from runs.models import Checkpoint
 
 # A CPU export of a model that fits one host takes seconds to a few minutes; past this the
@@ -29,17 +30,14 @@ def export(checkpoint: Checkpoint) -> Path:
     if checkpoint.export_path and (Path(checkpoint.export_path) / "config.json").exists():
         return Path(checkpoint.export_path)
     staging = checkpoint.run.run_dir.export_staging(checkpoint.step)
-    env = dict(os.environ, PYTHONPATH=str(settings.REPO_DIR), OMP_NUM_THREADS="1")
     result = subprocess.run(
         [settings.TRAINING_PYTHON, "-m", "training.export", checkpoint.path, str(staging)],
-        cwd=settings.REPO_DIR, env=env, capture_output=True, text=True, timeout=EXPORT_TIMEOUT_SECONDS,
+        cwd=settings.REPO_DIR, env=python_env(), capture_output=True, text=True, timeout=EXPORT_TIMEOUT_SECONDS,
     )
     if result.returncode != 0:
         raise ExportFailed(f"export of step {checkpoint.step} failed: {result.stderr.strip()[-2000:]}")
     # Renamed into place only when complete, so a crash mid-export never leaves a half model.
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     staging.replace(out)
     Checkpoint.objects.filter(pk=checkpoint.pk).update(export_path=str(out))

@@ -14,20 +14,13 @@ import json
 import os
 import secrets
 import signal
-import socket
-import subprocess
 from pathlib import Path
 
 from django.conf import settings
 
+from controlplane.processes import free_port, is_alive, start_detached
 from runs.models import Run
 from training.run_dir import RunDir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prepare(run: Run) -> tuple[Path, str]:
@@ -46,26 +39,15 @@ def prepare(run: Run) -> tuple[Path, str]:
     return folder.path, secrets.token_urlsafe(32)
 
 
-def _start_detached(command: list[str], log_path: Path, env: dict[str, str]) -> int:
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            command, cwd=settings.REPO_DIR, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            start_new_session=True,  # it must survive the Celery worker that started it
-        )  # fmt: skip
-    return process.pid
-
-
 def start_agents(run: Run, folder: Path, token: str) -> list[int]:
     run_dir = RunDir(folder)
-    rdzv = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, PYTHONPATH=str(settings.REPO_DIR), OMP_NUM_THREADS="1")
+    rdzv = f"127.0.0.1:{free_port()}"
     store_args: list[str] = []
     if run.node_count > 1:
         # It leaves by itself once no agent of the run holds its lock; the agents only connect.
-        _start_detached(
+        start_detached(
             [settings.TRAINING_PYTHON, "-m", "training.rendezvous_store", "--endpoint", rdzv, "--run-dir", str(folder)],
             run_dir.rendezvous_store_log,
-            env,
         )
         store_args = ["--host-store", "no"]
     pids = []
@@ -75,7 +57,7 @@ def start_agents(run: Run, folder: Path, token: str) -> list[int]:
             settings.TRAINING_PYTHON, "-m", "training.agent",
             *agent_arguments(run, folder, node, rdzv, token), *store_args,
         ]  # fmt: skip
-        pids.append(_start_detached(command, run_dir.agent_log(node), env))
+        pids.append(start_detached(command, run_dir.agent_log(node)))
     return pids
 
 
@@ -109,20 +91,6 @@ def agents_alive(run: Run) -> bool:
 def has_local_agents(run: Run) -> bool:
     """Whether this host ever started agents for the run (their lock files are here)."""
     return bool(run.run_dir.agent_locks())
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) is not alive.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def request_cancel(run: Run) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.db import models
 
+from controlplane.events import Event
 from training.run_dir import RunDir
 
 
@@ -121,7 +123,7 @@ class Run(models.Model):
         return self.status in self.ACTIVE
 
 
-class RunEvent(models.Model):
+class RunEvent(Event):
     """One thing that happened to a run. `seq` orders a run's history without gaps.
 
     Node agents number their own events per `source` (`node-0`, `control`, …); `(run, source,
@@ -129,12 +131,8 @@ class RunEvent(models.Model):
     """
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
-    seq = models.BigIntegerField()
     source = models.CharField(max_length=64)
     source_seq = models.BigIntegerField()
-    kind = models.CharField(max_length=32, db_index=True)
-    time = models.DateTimeField()
-    data = models.JSONField(default=dict)
 
     class Meta:
         ordering = ["run", "seq"]
@@ -143,8 +141,8 @@ class RunEvent(models.Model):
             models.UniqueConstraint(fields=["run", "source", "source_seq"], name="run_event_source_seq_unique"),
         ]
 
-    def as_message(self) -> dict:
-        return {"seq": self.seq, "kind": self.kind, "time": self.time.timestamp(), "source": self.source, **self.data}
+    def message_fields(self) -> dict[str, Any]:
+        return {"source": self.source}
 
 
 class Checkpoint(models.Model):

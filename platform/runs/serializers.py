@@ -4,23 +4,10 @@ from typing import Any
 
 from rest_framework import serializers
 
-from controlplane.api import Conflict, ModelSerializer, Text
+from controlplane.api import ModelSerializer, Text
 from runs import services
 from runs.models import Checkpoint, Dataset, Run, RunEvent
 from training.config import RECIPES
-
-
-def nested_error(field: str, message: str) -> dict[str, Any]:
-    """`spec.layout.tp` → {"spec": {"layout": {"tp": [message]}}}, DRF's shape for nested fields."""
-    head, _, rest = field.partition(".")
-    return {head: nested_error(rest, message) if rest else [message]}
-
-
-def raise_invalid(exc: services.InvalidInput) -> None:
-    """A 400 naming the field, or a 409 where the object's state is what refuses the change."""
-    if isinstance(exc, services.WrongState):
-        raise Conflict(exc.field, exc.message)
-    raise serializers.ValidationError(nested_error(exc.field, exc.message))
 
 
 class DatasetSerializer(ModelSerializer):
@@ -37,17 +24,13 @@ class DatasetSerializer(ModelSerializer):
 
     def create(self, validated: dict[str, Any]) -> Dataset:
         user = self.context["request"].user
-        try:
-            return services.do_create_dataset(
-                user,
-                validated.get("name", ""),
-                upload=validated.get("file"),
-                path=validated.get("path", ""),
-                by_administrator=user.is_staff,
-            )
-        except services.InvalidInput as exc:
-            raise_invalid(exc)
-            raise
+        return services.do_create_dataset(
+            user,
+            validated.get("name", ""),
+            upload=validated.get("file"),
+            path=validated.get("path", ""),
+            by_administrator=user.is_staff,
+        )
 
 
 class RunSerializer(ModelSerializer):
@@ -99,25 +82,18 @@ class RunSerializer(ModelSerializer):
         return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        try:
-            attrs["run_spec"] = services.check_spec(attrs.get("spec", {}), attrs.pop("recipe", "tiny"))
-        except services.InvalidInput as exc:
-            raise_invalid(exc)
+        attrs["run_spec"] = services.check_spec(attrs.get("spec", {}), attrs.pop("recipe", "tiny"))
         return attrs
 
     def create(self, validated: dict[str, Any]) -> Run:
         name = validated.get("name") or "run"
-        try:
-            return services.do_create_run(
-                self.context["request"].user,
-                name,
-                validated["run_spec"],
-                validated.get("dataset"),
-                validated.get("tokenizer_run"),
-            )
-        except services.InvalidInput as exc:
-            raise_invalid(exc)
-            raise
+        return services.do_create_run(
+            self.context["request"].user,
+            name,
+            validated["run_spec"],
+            validated.get("dataset"),
+            validated.get("tokenizer_run"),
+        )
 
 
 class CloneSerializer(serializers.Serializer):

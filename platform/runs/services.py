@@ -17,33 +17,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 from tokenizers import Tokenizer
 
+from controlplane.events import publish_on_commit, reserve_seqs
+from controlplane.exceptions import InvalidInput, WrongState
+from controlplane.queue import enqueue_on_commit
+from runs import launcher
 from runs.models import Checkpoint, Dataset, Run, RunEvent
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
 
 CONTROL_SOURCE = "control"
 
 # --- Specs -------------------------------------------------------------------------------------
-
-
-class InvalidInput(ValueError):
-    """Bad input from a user; `field` is the dotted path of the offending value."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-class WrongState(InvalidInput):
-    """A change the object's current state does not allow; the API answers 409."""
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -249,20 +238,8 @@ def do_create_run(
             owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
-        transaction.on_commit(lambda: _enqueue_launch(run.pk))
+        enqueue_on_commit("runs.tasks.launch_run", run.pk)
     return run
-
-
-def _enqueue_launch(run_id: int) -> None:
-    from runs.tasks import launch_run
-
-    launch_run.delay(run_id)
-
-
-def _enqueue_export(checkpoint_id: int) -> None:
-    from runs.tasks import export_checkpoint
-
-    export_checkpoint.delay(checkpoint_id)
 
 
 def do_cancel_run(run: Run) -> Run:
@@ -284,9 +261,7 @@ def do_cancel_run(run: Run) -> Run:
 
 
 def _signal_cancel(run_id: int) -> None:
-    from runs.launcher import request_cancel
-
-    request_cancel(Run.objects.get(pk=run_id))
+    launcher.request_cancel(Run.objects.get(pk=run_id))
 
 
 def do_resume_run(run: Run) -> Run:
@@ -298,7 +273,7 @@ def do_resume_run(run: Run) -> Run:
         if not claimed:
             raise WrongState("status", f"only failed or cancelled runs can be resumed; this one is {run.status}")
         _record(run, "queued", {"status": Run.Status.QUEUED, "resume": True})
-        transaction.on_commit(lambda: _enqueue_launch(run.pk))
+        enqueue_on_commit("runs.tasks.launch_run", run.pk)
     run.refresh_from_db()
     return run
 
@@ -347,27 +322,16 @@ def _event_time(value: Any) -> datetime:
     return timezone.now()
 
 
-def _next_seqs(run: Run, count: int) -> int:
-    """Reserves `count` run-wide sequence numbers and returns the first.
-
-    The UPDATE takes the row lock before reading, so two ingests never get the same numbers
-    (on SQLite the IMMEDIATE transaction serialises writers instead).
-    """
-    Run.objects.filter(pk=run.pk).update(last_seq=F("last_seq") + count)
-    last = Run.objects.values_list("last_seq", flat=True).get(pk=run.pk)
-    return last - count + 1
-
-
 def _record(run: Run, kind: str, data: dict[str, Any], *, publish: bool = True) -> RunEvent:
     """Records an event of the control plane itself; call inside a transaction.
 
     `publish=False`: the caller publishes it with the batch it belongs to, in seq order."""
-    seq = _next_seqs(run, 1)
+    seq = reserve_seqs(Run, run.pk, 1)
     event = RunEvent.objects.create(
         run=run, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=timezone.now(), data=data
     )
     if publish:
-        transaction.on_commit(lambda: publish_run_events(run.pk, [event.as_message()]))
+        publish_on_commit(run_group(run.pk), [event.as_message()])
     return event
 
 
@@ -393,7 +357,7 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
         unique = list({e["seq"]: e for e in fresh}.values())
         stored: list[RunEvent] = []
         if unique:
-            first = _next_seqs(run, len(unique))
+            first = reserve_seqs(Run, run.pk, len(unique))
             stored = RunEvent.objects.bulk_create(
                 RunEvent(
                     run=run,
@@ -411,9 +375,7 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
         last = (
             RunEvent.objects.filter(run=run, source=source).order_by("-source_seq").values_list("source_seq", flat=True).first()
         )
-        messages = [e.as_message() for e in stored]
-        if messages:
-            transaction.on_commit(lambda: publish_run_events(run.pk, messages))
+        publish_on_commit(run_group(run.pk), [e.as_message() for e in stored])
     return int(last or 0)
 
 
@@ -444,7 +406,7 @@ def _apply(run: Run, events: list[RunEvent]) -> list[RunEvent]:
         # The final checkpoint is exported to Hugging Face format as soon as the run succeeds.
         final = Checkpoint.objects.filter(run=run).order_by("-step").first()
         if final is not None:
-            transaction.on_commit(lambda: _enqueue_export(final.pk))
+            enqueue_on_commit("runs.tasks.export_checkpoint", final.pk)
     if status is not None:
         now = timezone.now()
         extra: dict[str, Any] = {"finished_at": now} if status in Run.FINISHED else {}
@@ -510,15 +472,5 @@ def do_mark_silent_nodes(run: Run, silent_after: float) -> list[str]:
     return newly
 
 
-def publish_run_events(run_id: int, messages: list[dict[str, Any]]) -> None:
-    layer = get_channel_layer()
-    if layer is not None:
-        async_to_sync(layer.group_send)(run_group(run_id), {"type": "stream.events", "events": messages})
-
-
 def run_group(run_id: int) -> str:
     return f"run-{run_id}"
-
-
-def events_after(run: Run, after: int, limit: int = 5000) -> list[dict[str, Any]]:
-    return [e.as_message() for e in run.events.filter(seq__gt=after).order_by("seq")[:limit]]

@@ -24,7 +24,6 @@ from runs.serializers import (
     IngestSerializer,
     RunEventSerializer,
     RunSerializer,
-    raise_invalid,
 )
 
 
@@ -78,10 +77,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         return runs
 
     def _change(self, request: Request, operation: Callable[[Run], Run]) -> Response:
-        try:
-            run = operation(self.get_object())
-        except services.InvalidInput as exc:
-            raise_invalid(exc)
+        run = operation(self.get_object())
         return Response(RunSerializer(run, context={"request": request}).data)
 
     @extend_schema(request=None, responses=RunSerializer)
@@ -129,10 +125,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         serializer = RunSerializer(data=request.data, context={"request": request})
         serializer.is_valid(raise_exception=True)
         checked = serializer.validated_data
-        try:
-            services.check_run_data(checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"))
-        except services.InvalidInput as exc:
-            raise_invalid(exc)
+        services.check_run_data(checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"))
         return Response({"spec": checked["run_spec"].to_dict()})
 
     # A run keeps a handful of checkpoints (train.keep_checkpoints prunes the rest), so they come

@@ -16,11 +16,14 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
+from controlplane.events import events_after
+from controlplane.exceptions import InvalidInput
 from runs import services
 from runs.models import Dataset, Run
 
 # The watcher reads the database this often: slow enough to cost nothing, fast enough to feel live.
 WATCH_POLL_SECONDS = 0.5
+WATCH_BATCH = 5000  # events read per poll; the rest come with the next
 
 
 class Command(BaseCommand):
@@ -53,7 +56,7 @@ class Command(BaseCommand):
             elif action == "cancel":
                 run = services.do_cancel_run(self.get_run(options["run_id"]))
                 self.stdout.write(f"run {run.pk}: {run.status}{' (cancel requested)' if run.is_active else ''}")
-        except services.InvalidInput as exc:
+        except InvalidInput as exc:
             raise CommandError(f"{exc.field}: {exc.message}") from None
 
     def get_run(self, run_id: int) -> Run:
@@ -85,7 +88,7 @@ class Command(BaseCommand):
         seen = 0
         with tqdm(total=run.total_steps, desc=f"run {run_id}", unit="step") as bar:
             while True:
-                for event in services.events_after(run, seen):
+                for event in events_after(run.events.all(), seen, WATCH_BATCH):
                     seen = event["seq"]
                     if event["kind"] == "metrics":
                         bar.n = event.get("step", bar.n)

@@ -1,0 +1,46 @@
+"""Bad input and refused changes, raised by the domain operations and answered in one place.
+
+`services` modules raise `InvalidInput` (a 400 naming the dotted field) and `WrongState` (a 409:
+the object's state refuses the change); the CLI prints them, and the REST API turns them into
+answers here, in DRF's exception handler (REST_FRAMEWORK["EXCEPTION_HANDLER"]), so no view
+catches them itself. A `SpecError` that reaches a view (the planner's query) is bad input too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import exceptions
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from controlplane.api import Conflict
+from training.config import SpecError
+
+
+class InvalidInput(ValueError):
+    """Bad input from a user; `field` is the dotted path of the offending value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class WrongState(InvalidInput):
+    """A change the object's current state does not allow; the API answers 409."""
+
+
+def nested_error(field: str, message: str) -> dict[str, Any]:
+    """`spec.layout.tp` → {"spec": {"layout": {"tp": [message]}}}, DRF's shape for nested fields."""
+    head, _, rest = field.partition(".")
+    return {head: nested_error(rest, message) if rest else [message]}
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """DRF's handler, after mapping the domain's errors to the API exceptions they mean."""
+    if isinstance(exc, WrongState):
+        exc = Conflict(exc.field, exc.message)
+    elif isinstance(exc, (InvalidInput, SpecError)):
+        exc = exceptions.ValidationError(nested_error(exc.field, exc.message))
+    return drf_exception_handler(exc, context)

@@ -1,0 +1,51 @@
+"""The processes the control plane starts and leaves running: node agents, rendezvous stores,
+replica supervisors. Each outlives the Celery task that starts it, so it gets a session of its
+own, and the control plane later asks only whether its pid still lives."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+from django.conf import settings
+
+
+def python_env() -> dict[str, str]:
+    """The environment of a `python -m` the control plane starts: the repository importable, one
+    compute thread unless the process sets its own (they share the host's cores)."""
+    return dict(os.environ, PYTHONPATH=str(settings.REPO_DIR), OMP_NUM_THREADS="1")
+
+
+def start_detached(command: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+    """Starts `command` in a session of its own (it survives the worker that started it), with
+    stdout and stderr appended to `log`; returns its pid."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            command, cwd=settings.REPO_DIR, env=python_env() if env is None else env,
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    return process.pid
+
+
+def is_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,71 @@
+"""A deployment's status moves through `deployments.services.do_set_status` only: each move is
+stored with the event that announces it, and a move the state no longer allows records nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+
+import pytest
+
+from deployments import supervision
+from deployments.models import Deployment, Replica
+from deployments.tasks import reconcile_deployments
+from runs.models import Checkpoint, Run
+from serving.supervisor import DeploymentState, ReplicaState
+
+pytestmark = pytest.mark.django_db
+
+
+def make_deployment(owner, status: str, **fields) -> Deployment:
+    run = Run.objects.create(owner=owner, name="source", spec={})
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    return Deployment.objects.create(
+        owner=owner, name="d", checkpoint=checkpoint, served_model_name=f"d-{status}", status=status, **fields
+    )
+
+
+def kinds(deployment: Deployment) -> list[str]:
+    return list(deployment.events.order_by("seq").values_list("kind", flat=True))
+
+
+def test_a_deployment_whose_supervisor_is_gone_fails_once_with_its_reason(alice):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    deployment = make_deployment(alice, Deployment.Status.READY, supervisor_pid=gone.pid)
+    assert reconcile_deployments() == 1
+    deployment.refresh_from_db()
+    assert (deployment.status, deployment.status_reason) == ("failed", "the replica supervisor exited")
+    assert deployment.events.get(kind="failed").data == {"reason": "the replica supervisor exited"}
+    assert reconcile_deployments() == 0 and kinds(deployment) == ["failed"]
+
+
+def test_sync_marks_a_deployment_ready_with_one_status_event_when_every_replica_is(alice, settings, tmp_path):
+    settings.DEPLOYMENTS_DIR = tmp_path
+    deployment = make_deployment(alice, Deployment.Status.STARTING)
+    Replica.objects.create(deployment=deployment, index=0)
+    deployment.folder.mkdir(parents=True)
+    state = DeploymentState(
+        deployment=deployment.served_model_name, supervisor_pid=1, updated_at=0.0, stopping=False,
+        # Nothing listens there: the metrics scrape finds no replica and says so.
+        replicas=[ReplicaState(index=0, phase="ready", url="http://127.0.0.1:9", port=9, pid=1)],
+    )  # fmt: skip
+    (deployment.folder / "state.json").write_text(json.dumps(dataclasses.asdict(state)))
+
+    supervision.sync(deployment)
+    supervision.sync(deployment)  # nothing changed: no second status event
+
+    deployment.refresh_from_db()
+    assert deployment.status == "ready"
+    status_events = list(deployment.events.filter(kind="status").values_list("data", flat=True))
+    assert status_events == [{"status": "ready", "ready": 1, "replicas": 1}]
+    assert Replica.objects.get(deployment=deployment).status == "ready"
+
+
+def test_stopping_a_stopped_deployment_is_refused_and_records_nothing(alice, alice_api):
+    deployment = make_deployment(alice, Deployment.Status.STOPPED)
+    response = alice_api.post(f"/api/deployments/{deployment.pk}/stop/")
+    assert response.status_code == 409
+    assert response.json() == {"status": ["only active deployments can be stopped; this one is stopped"]}
+    assert kinds(deployment) == []
