@@ -24,6 +24,7 @@ from django.db.models import F
 from django.utils import timezone
 from tokenizers import Tokenizer
 
+from controlplane import observability
 from runs.models import Checkpoint, Dataset, Run, RunEvent
 from training.config import RECIPES, RunSpec, SpecError
 
@@ -388,6 +389,7 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
                 )
                 for i, e in enumerate(unique)
             )
+            observability.count_ingested(len(stored))  # counted once the batch commits
             stored += _apply(run, stored)
         stored += _note_report(run, source)
         last = (
