@@ -22,6 +22,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter
 from channels.security.websocket import AllowedHostsOriginValidator
 
 from accounts.websocket import TokenOrSessionAuthMiddleware
+from controlplane.observability_asgi import count_websockets, observe_http
 from controlplane.routing import websocket_urlpatterns
 from deployments.openai import openai_endpoint
 
@@ -37,9 +38,13 @@ async def http_application(
         await django_asgi_app(scope, receive, send)
 
 
+# The observers wrap everything, so what they measure is what clients get (request ids, /v1
+# metrics, 5xx counts, websocket clients: controlplane/observability_asgi.py).
 application = ProtocolTypeRouter(
     {
-        "http": http_application,
-        "websocket": AllowedHostsOriginValidator(TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))),
+        "http": observe_http(http_application),
+        "websocket": count_websockets(
+            AllowedHostsOriginValidator(TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns)))
+        ),
     }
 )

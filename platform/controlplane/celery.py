@@ -15,3 +15,27 @@ from celery import Celery
 app = Celery("fathom")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+# --- Worker hooks for observability (controlplane/observability.py) ---------------------------
+
+from celery.signals import setup_logging, task_failure
+from django.conf import settings
+
+
+@task_failure.connect
+def _count_task_failure(sender: object = None, **kwargs: object) -> None:
+    # Imported here, in the process that runs tasks (a prefork child has its own metric file).
+    from controlplane.observability import count_task_failure
+
+    count_task_failure(sender)
+
+
+if settings.LOG_FORMAT == "json":
+    # Celery replaces the root logger's handlers with its own text format unless a receiver of
+    # setup_logging configures logging instead: LOGGING's, the same as the web process's.
+    @setup_logging.connect
+    def _json_logs(**kwargs: object) -> None:
+        from controlplane.observability_logs import configure
+
+        configure(settings.LOGGING)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from controlplane.env import env_bool, env_float, env_int, env_list, env_str
+from controlplane.env import ConfigurationError, env_bool, env_float, env_int, env_list, env_str
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FRONTEND_DIR = REPO_DIR / "frontend"
@@ -258,9 +258,36 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 
+# --- Observability -----------------------------------------------------------------------------
+
+# `GET /metrics` (Prometheus text format) answers only to `Authorization: Bearer <this>`; unset,
+# it is off (403), so a fresh install exposes nothing it was not told to.
+METRICS_TOKEN = env_str("FATHOM_METRICS_TOKEN")
+# Where every process of this install (web, worker, beat) keeps its metric values for whichever
+# web process is scraped to add up (prometheus_client's multiprocess mode; observability.py says
+# how the folder is cleaned). Not PROMETHEUS_MULTIPROC_DIR: vLLM replicas, started from the
+# worker, would inherit that and write their own series into the folder.
+METRICS_DIR = Path(env_str("FATHOM_METRICS_DIR", str(DATA_DIR / "metrics"))).resolve()
+
+# "text": messages as they are; "json": one JSON object per line (time, level, logger, message,
+# request_id, ...) for a log shipper. Requests carry an id, returned as X-Request-Id.
+LOG_FORMAT = env_str("FATHOM_LOG_FORMAT", "text").strip().lower()
+if LOG_FORMAT not in ("text", "json"):
+    raise ConfigurationError(f"FATHOM_LOG_FORMAT must be one of ['json', 'text']; got {LOG_FORMAT!r}")
+
+# Django applies LOGGING through this function, which also hands uvicorn's own handlers (set up
+# before Django) the JSON formatter.
+LOGGING_CONFIG = "controlplane.observability_logs.configure"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "formatters": {
+        "text": {"format": "%(message)s"},
+        "json": {"()": "controlplane.observability_logs.JsonFormatter"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    # Django's own console handler (DEBUG only) writes plain text: in JSON mode its records go
+    # to the root handler instead.
+    "loggers": {"django": {"handlers": [], "propagate": True}} if LOG_FORMAT == "json" else {},
 }

@@ -2,8 +2,12 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from controlplane.observability import metrics_view
+
 urlpatterns = [
     path("admin/", admin.site.urls),
+    # Prometheus scrapes here with FATHOM_METRICS_TOKEN (controlplane/observability.py).
+    path("metrics", metrics_view, name="metrics"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/", include("accounts.urls")),

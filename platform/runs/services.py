@@ -23,6 +23,7 @@ from django.db.models import F
 from django.utils import timezone
 from tokenizers import Tokenizer
 
+from controlplane import observability
 from controlplane.events import publish_on_commit, reserve_seqs
 from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
@@ -370,6 +371,7 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
                 )
                 for i, e in enumerate(unique)
             )
+            observability.count_ingested(len(stored))  # counted once the batch commits
             stored += _apply(run, stored)
         stored += _note_report(run, source)
         last = (
