@@ -43,7 +43,8 @@ from pathlib import Path
 
 import httpx
 
-from serving.supervisor import DeploymentConfig, free_port, launch_detached, read_state, request_stop
+from serving.state import read_state
+from serving.supervisor import DeploymentConfig, free_port, launch_detached, request_stop
 from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 from serving.vllm import ReplicaOptions
 

@@ -5,7 +5,7 @@ the control plane, and for benchmarks that compare routed against direct traffic
 
     python -m serving.app --state-dir STATE_DIR --port 8000
 
-It routes to the ready replicas listed in the supervisor's `state.json` and runs on uvicorn with
+It routes to the routable replicas of the supervisor's state file (`serving.state`) and runs on uvicorn with
 uvloop and httptools: this process does nothing but relay, and their C parsers and event loop
 relay a token for less CPU than a pure-Python HTTP server.
 """
@@ -19,9 +19,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from serving.gateway import Gateway
-from serving.requests import PromptCounter, ServedModel, unknown_endpoint
-from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
+from serving.gateway import Gateway, deployment_gateway
+from serving.requests import unknown_endpoint
+from serving.router import ProxyResponse, error_response
+from serving.state import DeploymentDir
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -114,14 +115,12 @@ def create_app(gateway: Gateway) -> ASGIApp:
 
 def app_for_deployment(state_dir: str | Path) -> ASGIApp:
     """An app routing to the deployment whose supervisor writes to `state_dir`."""
-    from serving.supervisor import CONFIG_FILE, DeploymentConfig
+    from serving.supervisor import DeploymentConfig
 
-    config = DeploymentConfig.from_dict(json.loads((Path(state_dir) / CONFIG_FILE).read_text()))
-    gateway = Gateway()
-    model = ServedModel(
-        name=config.name, max_model_len=config.options.max_model_len, counter=PromptCounter(config.checkpoint)
+    config = DeploymentConfig.from_dict(json.loads(DeploymentDir(Path(state_dir)).config_file.read_text()))
+    gateway = deployment_gateway(
+        name=config.name, max_model_len=config.options.max_model_len, checkpoint=config.checkpoint, state_dir=state_dir
     )
-    gateway.add(model, Router(StateFileReplicas(state_dir), model=config.name))
     return create_app(gateway)
 
 

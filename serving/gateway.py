@@ -11,15 +11,18 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from serving.errors import OpenAIError, invalid_request
-from serving.requests import ServedModel, check_request
-from serving.router import ProxyResponse, Router, error_response
+from serving.requests import PromptCounter, ServedModel, check_request
+from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
 
 
 @dataclass
-class Deployment:
+class ServedDeployment:
+    """A deployment as a gateway serves it: its model (name, context, tokenizer) and its router."""
+
     model: ServedModel
     router: Router
 
@@ -28,10 +31,10 @@ class Gateway:
     """Deployments by model name. Add or remove them as the control plane starts and stops them."""
 
     def __init__(self) -> None:
-        self._deployments: dict[str, Deployment] = {}
+        self._deployments: dict[str, ServedDeployment] = {}
 
     def add(self, model: ServedModel, router: Router) -> None:
-        self._deployments[model.name] = Deployment(model, router)
+        self._deployments[model.name] = ServedDeployment(model, router)
 
     async def remove(self, name: str) -> None:
         deployment = self._deployments.pop(name, None)
@@ -68,3 +71,13 @@ class Gateway:
         except OpenAIError as error:
             return error_response(error)
         return await self._deployments[model.name].router.forward(path, body)
+
+
+def deployment_gateway(*, name: str, max_model_len: int, checkpoint: str, state_dir: str | Path) -> Gateway:
+    """A gateway for one deployment: prompts counted with its checkpoint's tokenizer (none when
+    `checkpoint` is empty), requests routed to the routable replicas its supervisor writes to
+    `state_dir`. The control plane's /v1 endpoint and `serving.app` both build theirs here."""
+    model = ServedModel(name=name, max_model_len=max_model_len, counter=PromptCounter(checkpoint) if checkpoint else None)
+    gateway = Gateway()
+    gateway.add(model, Router(StateFileReplicas(state_dir), model=name))
+    return gateway

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from serving.errors import OpenAIError, no_replica_available, normalize_error_body, upstream_failed, upstream_timeout
+from serving.state import DeploymentDir, read_state
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,12 @@ class StaticReplicas:
 
 
 class StateFileReplicas:
-    """Ready replicas from a supervisor's `state.json`, re-read when the file changes."""
+    """The routable replicas of a supervisor's state file (`DeploymentState.routable`), re-read
+    when the file changes."""
 
     def __init__(self, state_dir: str | Path) -> None:
-        self._path = Path(state_dir) / "state.json"
+        self._state_dir = Path(state_dir)
+        self._path = DeploymentDir(self._state_dir).state_file
         self._stamp: tuple[int, int] | None = None
         self._endpoints: list[ReplicaEndpoint] = []
 
@@ -74,14 +77,11 @@ class StateFileReplicas:
         stamp = (stat.st_mtime_ns, stat.st_ino)  # the supervisor replaces the file: new inode
         if stamp != self._stamp:
             try:
-                state = json.loads(self._path.read_text())
-            except (OSError, ValueError):
+                state = read_state(self._state_dir)
+            except (OSError, ValueError, KeyError, TypeError):
                 return self._endpoints  # mid-replace on an odd filesystem: keep the last view
-            self._endpoints = [
-                ReplicaEndpoint(r["url"], r["url"])
-                for r in state.get("replicas", [])
-                if r.get("phase") == "ready" and r.get("url") and not state.get("stopping")
-            ]
+            routable = state.routable() if state is not None else []
+            self._endpoints = [ReplicaEndpoint(r.url, r.url) for r in routable if r.url]
             self._stamp = stamp
         return self._endpoints
 

@@ -3,15 +3,15 @@
 One `Supervisor` owns the replicas of one deployment. It is asyncio code meant to live in a
 process of its own, started detached by the control plane:
 
-    python -m serving.supervisor --config STATE_DIR/deployment.json
+    python -m serving.supervisor --config CONFIG_FILE     (DeploymentDir.config_file)
 
-so that replicas outlive web and worker restarts. It publishes what it knows in two files under
-the deployment's `state_dir`, which any process can read without talking to it:
+so that replicas outlive web and worker restarts. It publishes what it knows in two files of
+the deployment's folder (`serving.state`), which any process can read without talking to it:
 
-- `state.json`: each replica's url, port, pid, phase and restart count, rewritten atomically on
-  every change and at least every `health_interval_s` (`updated_at` doubles as a heartbeat);
+- the state file: each replica's url, port, pid, phase and restart count, rewritten atomically
+  on every change and at least every `health_interval_s` (`updated_at` doubles as a heartbeat);
   `serving.router.StateFileReplicas` routes from it.
-- `events.jsonl`: one lifecycle event per line (`replica_starting`, `replica_ready`,
+- the events file: one lifecycle event per line (`replica_starting`, `replica_ready`,
   `replica_died`, `replica_restarting`, `replica_stopped`), for the control plane to store as it
   stores run events.
 
@@ -37,24 +37,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from serving.metrics import parse_prometheus
+from serving.state import (
+    DeploymentDir,
+    DeploymentState,
+    EventKind,
+    Phase,
+    ReplicaEvent,
+    ReplicaState,
+    append_event,
+    read_state,
+    write_atomic,
+    write_state,
+)
 from serving.vllm import LaunchSpec, OptionError, ReplicaOptions, replica_launch
-
-EventKind = Literal[
-    "replica_starting", "replica_ready", "replica_unhealthy", "replica_died", "replica_restarting",
-    "replica_stopped",
-]  # fmt: skip
-# ready: routers may send requests. unhealthy: running but failing /health, routers skip it.
-# draining: finishing outstanding requests before stop, routers skip it.
-Phase = Literal["starting", "ready", "unhealthy", "draining", "restarting", "stopped"]
-
-STATE_FILE = "state.json"
-EVENTS_FILE = "events.jsonl"
-CONFIG_FILE = "deployment.json"
 
 # Run the replica's own argv after asking the kernel to SIGTERM it when its parent (this
 # supervisor) dies; exit at once if the parent is already gone. execvp keeps the setting.
@@ -66,13 +66,18 @@ _PDEATHSIG_LAUNCHER = (
 )
 
 
+# The most replicas one deployment runs (the API refuses more): one supervisor probes each every
+# health interval, and past this many a host's cores go to probing and relaying, not serving.
+MAX_REPLICAS = 16
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeploymentConfig:
     """One deployment: which checkpoint, under which name, on how many replicas, with what timing."""
 
     name: str  # the model name clients send (`--served-model-name`)
     checkpoint: str  # Hugging Face checkpoint directory
-    state_dir: str  # logs, state.json, events.jsonl and vLLM's cache for this deployment
+    state_dir: str  # this deployment's folder (serving.state.DeploymentDir)
     python: str  # interpreter of the vLLM environment (tools/vllm_env.sh prints it)
     replicas: int = 1
     options: ReplicaOptions = field(default_factory=ReplicaOptions)
@@ -106,8 +111,8 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
             raise OptionError("name", f"must be a non-empty model name without spaces; got {self.name!r}")
-        if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 64:
-            raise OptionError("replicas", f"must be an integer from 1 to 64; got {self.replicas!r}")
+        if not isinstance(self.replicas, int) or not 1 <= self.replicas <= MAX_REPLICAS:
+            raise OptionError("replicas", f"must be an integer from 1 to {MAX_REPLICAS}; got {self.replicas!r}")
         if isinstance(self.options, dict):
             object.__setattr__(self, "options", ReplicaOptions.from_dict(self.options))
         object.__setattr__(self, "cpu_binds", tuple(self.cpu_binds))
@@ -135,63 +140,11 @@ class DeploymentConfig:
         return data
 
     def write(self) -> Path:
-        """Write `deployment.json` into the state directory and return its path."""
-        path = Path(self.state_dir) / CONFIG_FILE
+        """Write the config file into the deployment's folder and return its path."""
+        path = DeploymentDir(Path(self.state_dir)).config_file
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps(self.to_dict(), indent=2))
+        write_atomic(path, json.dumps(self.to_dict(), indent=2))
         return path
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicaEvent:
-    kind: EventKind
-    deployment: str
-    replica: int
-    at: float
-    port: int | None = None
-    pid: int | None = None
-    restarts: int = 0
-    exit_code: int | None = None  # replica_died: the exit status, negative for a signal
-    delay_s: float | None = None  # replica_restarting: backoff before the next start
-    message: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(kw_only=True)
-class ReplicaState:
-    index: int
-    phase: Phase = "starting"
-    port: int | None = None
-    pid: int | None = None
-    url: str | None = None
-    restarts: int = 0
-    last_exit_code: int | None = None
-    log: str = ""
-    started_at: float | None = None
-    ready_at: float | None = None
-
-
-@dataclass(kw_only=True)
-class DeploymentState:
-    """The content of `state.json`."""
-
-    deployment: str
-    supervisor_pid: int
-    updated_at: float
-    stopping: bool
-    replicas: list[ReplicaState]
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DeploymentState:
-        return cls(
-            deployment=data["deployment"],
-            supervisor_pid=data["supervisor_pid"],
-            updated_at=data["updated_at"],
-            stopping=data["stopping"],
-            replicas=[ReplicaState(**r) for r in data["replicas"]],
-        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -200,12 +153,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # readers see the old or the new file, never half of one
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:
@@ -223,6 +170,7 @@ class Supervisor:
         self.config = config
         self._on_event = on_event
         self._state_dir = Path(config.state_dir)
+        self._folder = DeploymentDir(self._state_dir)
         self._replicas = [ReplicaState(index=i) for i in range(config.replicas)]
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -322,7 +270,7 @@ class Supervisor:
             state_dir=self._state_dir, host=cfg.host, cpu_threads_bind=bind,
         )  # fmt: skip
         Path(launch.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)  # may lie outside state_dir
-        log_path = self._state_dir / "logs" / f"replica-{replica.index}.log"
+        log_path = self._folder.replica_log(replica.index)
         argv = launch.argv
         if sys.platform == "linux":
             argv = [cfg.python, "-c", _PDEATHSIG_LAUNCHER, str(os.getpid()), *argv]
@@ -478,8 +426,7 @@ class Supervisor:
             kind=kind, deployment=self.config.name, replica=replica.index, at=time.time(),
             port=replica.port, pid=replica.pid, restarts=replica.restarts, **extra,
         )  # fmt: skip
-        with (self._state_dir / EVENTS_FILE).open("a") as events:
-            events.write(json.dumps(event.to_dict()) + "\n")
+        append_event(self._folder, event)
         if self._on_event is not None:
             self._on_event(event)
 
@@ -493,7 +440,7 @@ class Supervisor:
         )
 
     def _write_state(self) -> None:
-        _write_atomic(self._state_dir / STATE_FILE, json.dumps(dataclasses.asdict(self.state()), indent=2))
+        write_state(self._folder, self.state())
 
     async def _write_state_periodically(self) -> None:
         while True:
@@ -504,35 +451,13 @@ class Supervisor:
 # -- for the control plane: a detached supervisor per deployment ------------------------------
 
 
-def read_state(state_dir: str | Path) -> DeploymentState | None:
-    """The last state a supervisor wrote, or None before its first write."""
-    try:
-        return DeploymentState.from_dict(json.loads((Path(state_dir) / STATE_FILE).read_text()))
-    except FileNotFoundError:
-        return None
-
-
-def read_events(state_dir: str | Path, offset: int = 0) -> tuple[list[ReplicaEvent], int]:
-    """Events written after byte `offset` of events.jsonl, and the offset to pass next time."""
-    path = Path(state_dir) / EVENTS_FILE
-    try:
-        with path.open("rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
-    events = [ReplicaEvent(**json.loads(line)) for line in complete.splitlines() if line.strip()]
-    return events, offset + len(complete)
-
-
 def launch_detached(config: DeploymentConfig, python: str = sys.executable) -> int:
     """Start `python -m serving.supervisor` for this deployment in its own session and return its
     pid. It keeps running when the caller exits; stop it with `request_stop`."""
     import subprocess
 
     config_path = config.write()
-    log = (Path(config.state_dir) / "supervisor.log").open("ab")
+    log = DeploymentDir(Path(config.state_dir)).supervisor_log.open("ab")
     repo_root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(
@@ -568,7 +493,7 @@ async def _serve(config: DeploymentConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run one deployment's vLLM replicas until SIGTERM.")
-    parser.add_argument("--config", required=True, help="deployment.json (DeploymentConfig as JSON)")
+    parser.add_argument("--config", required=True, help="the deployment's config file (DeploymentConfig as JSON)")
     args = parser.parse_args(argv)
     config = DeploymentConfig.from_dict(json.loads(Path(args.config).read_text()))
     asyncio.run(_serve(config))

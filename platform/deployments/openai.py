@@ -29,9 +29,9 @@ from django.views.decorators.http import require_POST
 from deployments.models import ApiKey, Deployment
 from serving.app import Receive, Scope, Send, read_body, send_json, send_response
 from serving.errors import OpenAIError
-from serving.gateway import Gateway
-from serving.requests import ENDPOINTS, PromptCounter, ServedModel, unknown_endpoint
-from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
+from serving.gateway import Gateway, deployment_gateway
+from serving.requests import ENDPOINTS, unknown_endpoint
+from serving.router import ProxyResponse, error_response
 
 # last_used_at is a hint for humans; writing it on every request would add a DB write per call.
 KEY_TOUCH_INTERVAL = timedelta(minutes=1)
@@ -74,13 +74,12 @@ class Gateways:
         key = (served.pk, id(asyncio.get_running_loop()))
         gateway = self._gateways.get(key)
         if gateway is None:
-            model = ServedModel(
+            gateway = self._gateways[key] = deployment_gateway(
                 name=served.model,
                 max_model_len=served.max_model_len,
-                counter=PromptCounter(served.export_path) if served.export_path else None,
+                checkpoint=served.export_path,
+                state_dir=served.folder,
             )
-            gateway = self._gateways[key] = Gateway()
-            gateway.add(model, Router(StateFileReplicas(served.folder), model=model.name))
         return gateway
 
 

@@ -7,6 +7,7 @@ from rest_framework import serializers
 from controlplane.api import ModelSerializer
 from deployments.models import ApiKey, Deployment, DeploymentEvent, Replica
 from runs.models import Checkpoint
+from serving.supervisor import MAX_REPLICAS
 
 
 class ReplicaSerializer(ModelSerializer):
@@ -17,7 +18,7 @@ class ReplicaSerializer(ModelSerializer):
 
 class DeploymentSerializer(ModelSerializer):
     checkpoint = serializers.PrimaryKeyRelatedField(queryset=Checkpoint.objects.none())
-    replicas = serializers.IntegerField(min_value=1, max_value=16, default=1)
+    replicas = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS, default=1)
     options = serializers.JSONField(default=dict, help_text="vLLM options (see serving.vllm).")
     replica_set = ReplicaSerializer(many=True, read_only=True)
 

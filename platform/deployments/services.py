@@ -17,6 +17,7 @@ from controlplane.queue import enqueue_on_commit
 from deployments.models import ApiKey, Deployment, DeploymentEvent
 from deployments.options import check_options
 from runs.models import Checkpoint
+from serving.state import DeploymentDir
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 
@@ -110,7 +111,7 @@ def do_record(deployment: Deployment, kind: str, data: dict[str, Any]) -> Deploy
 
 def log_tail(deployment: Deployment, replica: int, lines: int) -> list[str]:
     """The last `lines` of a replica's log, which the supervisor writes in the deployment folder."""
-    path = deployment.folder / "logs" / f"replica-{replica}.log"
+    path = DeploymentDir(deployment.folder).replica_log(replica)
     if not path.exists():
         return []
     with path.open("r", errors="replace") as f:

@@ -24,7 +24,8 @@ from deployments.models import Deployment, Replica
 from deployments.options import check_options
 from runs import exports
 from serving import metrics as replica_metrics
-from serving.supervisor import DeploymentConfig, launch_detached, read_events, read_state, request_stop
+from serving.state import DeploymentDir, read_events, read_state
+from serving.supervisor import DeploymentConfig, launch_detached, request_stop
 
 # Replica metrics are scraped with this budget each sync; a replica slower than that is skipped
 # this round rather than holding up every other deployment's sync.
@@ -81,7 +82,7 @@ def sync(deployment: Deployment) -> None:
     Rows change before the events that announce them are stored, in one transaction: events are
     published after it commits, so a page that reads the deployment on an event sees the state
     the event describes."""
-    offset_file = deployment.folder / "events.offset"
+    offset_file = DeploymentDir(deployment.folder).events_offset_file
     offset = int(offset_file.read_text()) if offset_file.exists() else 0
     events, new_offset = read_events(deployment.folder, offset)
     state = read_state(deployment.folder)
@@ -89,7 +90,7 @@ def sync(deployment: Deployment) -> None:
     with transaction.atomic():
         if state is not None:
             mirror_replicas(deployment, state.replicas)
-            ready = [r for r in state.replicas if r.phase == "ready" and r.url]
+            ready = state.routable()
         for event in events:
             services.do_record(deployment, event.kind, {k: v for k, v in event.to_dict().items() if k not in ("kind", "at")})
         if state is not None and not state.stopping:
@@ -158,7 +159,7 @@ def scrape(folder: Path, urls: list[str]) -> dict[str, Any]:
             )
 
     now = time.time()
-    previous_file = folder / "metrics.previous.json"
+    previous_file = DeploymentDir(folder).metrics_previous_file
     previous: dict[str, list[float]] = json.loads(previous_file.read_text()) if previous_file.exists() else {}
     current: dict[str, list[float]] = {}
     totals: dict[str, float] = {"running": 0.0, "waiting": 0.0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0}

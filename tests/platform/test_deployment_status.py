@@ -13,7 +13,7 @@ from deployments import supervision
 from deployments.models import Deployment, Replica
 from deployments.tasks import reconcile_deployments
 from runs.models import Checkpoint, Run
-from serving.supervisor import DeploymentState, ReplicaState
+from serving.state import DeploymentState, ReplicaState
 
 pytestmark = pytest.mark.django_db
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.supervisor import DeploymentConfig, free_port, launch_detached, read_state, request_stop
+from serving.state import read_state
+from serving.supervisor import DeploymentConfig, free_port, launch_detached, request_stop
 from serving.tiny_checkpoint import build_tiny_llama
 from serving.vllm import ReplicaOptions
 

@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from serving.metrics import histogram_quantile, parse_prometheus, poll, rates_between, scrape
-from serving.supervisor import read_events, read_state, request_stop
+from serving.state import read_events, read_state
+from serving.supervisor import request_stop
 from serving.vllm import ReplicaOptions
 from tests.serving.conftest import RunningDeployment, process_alive, start_deployment, wait_until
 

@@ -17,6 +17,7 @@ from serving.router import (
     StaticReplicas,
     UpstreamResponse,
 )
+from serving.state import DeploymentDir, DeploymentState, Phase, ReplicaState, write_state
 from serving.supervisor import free_port
 
 
@@ -154,11 +155,10 @@ def test_the_state_file_source_lists_only_ready_replicas_and_follows_changes(tmp
     source = StateFileReplicas(tmp_path)
     assert source.endpoints() == []
 
-    def write(phases: list[str], stopping: bool = False) -> None:
-        replicas = [{"url": f"http://127.0.0.1:{9000 + i}", "phase": p} for i, p in enumerate(phases)]
-        tmp = tmp_path / "state.tmp"
-        tmp.write_text(json.dumps({"replicas": replicas, "stopping": stopping}))
-        tmp.replace(tmp_path / "state.json")
+    def write(phases: list[Phase], stopping: bool = False) -> None:
+        replicas = [ReplicaState(index=i, url=f"http://127.0.0.1:{9000 + i}", phase=p) for i, p in enumerate(phases)]
+        state = DeploymentState(deployment="tiny", supervisor_pid=1, updated_at=0.0, stopping=stopping, replicas=replicas)
+        write_state(DeploymentDir(tmp_path), state)  # as the supervisor writes it: replaced atomically
 
     write(["ready", "starting", "ready", "draining"])
     assert [e.url for e in source.endpoints()] == ["http://127.0.0.1:9000", "http://127.0.0.1:9002"]

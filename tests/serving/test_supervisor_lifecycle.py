@@ -10,7 +10,8 @@ import stat
 import sys
 from pathlib import Path
 
-from serving.supervisor import DeploymentConfig, ReplicaEvent, Supervisor, read_events, read_state
+from serving.state import ReplicaEvent, read_events, read_state
+from serving.supervisor import DeploymentConfig, Supervisor
 from tests.serving.conftest import process_alive
 
 

@@ -1,0 +1,167 @@
+"""A deployment's folder: the only reader and writer of its state and event files.
+
+    DEPLOY_DIR/
+        deployment.json         the supervisor's DeploymentConfig (options resolved)
+        state.json              each replica's url, port, pid, phase, restarts; rewritten atomically
+        events.jsonl            one replica lifecycle event per line, appended
+        supervisor.log          the supervisor's own output
+        logs/replica-<N>.log    vLLM's output, per replica, across restarts
+        tmp/, vllm-cache/       the replicas' temporary files and vLLM's cache (serving.vllm)
+        events.offset           the control plane: how far it has stored events.jsonl
+        metrics.previous.json   the control plane: the counters of its last metrics scrape
+
+The supervisor writes state and events (`write_state`, `append_event`); the control plane and
+the routers read them (`read_state`, `read_events`). Which replicas may take requests is
+`DeploymentState.routable()`, the one rule every router and the control plane follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+EventKind = Literal[
+    "replica_starting", "replica_ready", "replica_unhealthy", "replica_died", "replica_restarting",
+    "replica_stopped",
+]  # fmt: skip
+# ready: routers may send requests. unhealthy: running but failing /health, routers skip it.
+# draining: finishing outstanding requests before stop, routers skip it.
+Phase = Literal["starting", "ready", "unhealthy", "draining", "restarting", "stopped"]
+
+
+@dataclass(frozen=True)
+class DeploymentDir:
+    """The paths of one deployment's folder."""
+
+    path: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "deployment.json"
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def events_file(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def supervisor_log(self) -> Path:
+        return self.path / "supervisor.log"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    def replica_log(self, index: int) -> Path:
+        return self.logs_dir / f"replica-{index}.log"
+
+    @property
+    def events_offset_file(self) -> Path:
+        """How many bytes of the events file the control plane has stored."""
+        return self.path / "events.offset"
+
+    @property
+    def metrics_previous_file(self) -> Path:
+        """The replicas' token counters at the control plane's last scrape (for tokens/s)."""
+        return self.path / "metrics.previous.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaEvent:
+    kind: EventKind
+    deployment: str
+    replica: int
+    at: float
+    port: int | None = None
+    pid: int | None = None
+    restarts: int = 0
+    exit_code: int | None = None  # replica_died: the exit status, negative for a signal
+    delay_s: float | None = None  # replica_restarting: backoff before the next start
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(kw_only=True)
+class ReplicaState:
+    index: int
+    phase: Phase = "starting"
+    port: int | None = None
+    pid: int | None = None
+    url: str | None = None
+    restarts: int = 0
+    last_exit_code: int | None = None
+    log: str = ""
+    started_at: float | None = None
+    ready_at: float | None = None
+
+
+@dataclass(kw_only=True)
+class DeploymentState:
+    """The content of the state file."""
+
+    deployment: str
+    supervisor_pid: int
+    updated_at: float
+    stopping: bool
+    replicas: list[ReplicaState]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeploymentState:
+        return cls(
+            deployment=data["deployment"],
+            supervisor_pid=data["supervisor_pid"],
+            updated_at=data["updated_at"],
+            stopping=data["stopping"],
+            replicas=[ReplicaState(**r) for r in data["replicas"]],
+        )
+
+    def routable(self) -> list[ReplicaState]:
+        """The replicas that may take requests: ready, with an address, and not being stopped."""
+        if self.stopping:
+            return []
+        return [r for r in self.replicas if r.phase == "ready" and r.url]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers see the old or the new file, never half of one
+
+
+def write_state(folder: DeploymentDir, state: DeploymentState) -> None:
+    write_atomic(folder.state_file, json.dumps(dataclasses.asdict(state), indent=2))
+
+
+def append_event(folder: DeploymentDir, event: ReplicaEvent) -> None:
+    with folder.events_file.open("a") as events:
+        events.write(json.dumps(event.to_dict()) + "\n")
+
+
+def read_state(state_dir: str | Path) -> DeploymentState | None:
+    """The last state a supervisor wrote, or None before its first write."""
+    try:
+        return DeploymentState.from_dict(json.loads(DeploymentDir(Path(state_dir)).state_file.read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def read_events(state_dir: str | Path, offset: int = 0) -> tuple[list[ReplicaEvent], int]:
+    """Events written after byte `offset` of the events file, and the offset to pass next time."""
+    try:
+        with DeploymentDir(Path(state_dir)).events_file.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
+    events = [ReplicaEvent(**json.loads(line)) for line in complete.splitlines() if line.strip()]
+    return events, offset + len(complete)
