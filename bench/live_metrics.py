@@ -198,8 +198,8 @@ def uplink_only(rate: int, seconds: int) -> tuple[float, float]:
 
 def rank_main(run_dir: Path) -> None:
     """Writes the points of `RUN_DIR/bench-load.json` to the events file, as rank 0's trainer does."""
-    from training.metrics import EventLog
-    from training.rankenv import RankEnvironment
+    from training.rank_environment import RankEnvironment
+    from training.rank_events import EventLog
     from training.run_dir import RunDir
 
     load = json.loads((run_dir / LOAD_FILE).read_text())

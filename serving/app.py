@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.gateway import Gateway, deployment_gateway
-from serving.requests import unknown_endpoint
+from serving.openai_requests import unknown_endpoint
 from serving.router import ProxyResponse, error_response
 from serving.state import DeploymentDir
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.errors import OpenAIError, invalid_request
-from serving.requests import PromptCounter, ServedModel, check_request
+from serving.openai_requests import PromptCounter, ServedModel, check_request
 from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
 
 

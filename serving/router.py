@@ -1,7 +1,7 @@
 """Route OpenAI requests to the least-loaded healthy replica of a deployment.
 
 Layers, as in TGI: the HTTP view (Django's, or `serving.app` standalone) validates with
-`serving.requests.check_request` and calls `Router.forward`; the router depends only on the
+`serving.openai_requests.check_request` and calls `Router.forward`; the router depends only on the
 small `Backend` interface; `HttpBackend` is the vLLM replica behind it. Everything is async and
 shares one aiohttp session, so a stream costs a coroutine, not a thread. aiohttp rather than
 httpx on this hop: it parses HTTP in C, and relaying each token's SSE event is the router's whole

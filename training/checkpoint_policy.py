@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import RunSpec
-from training.rankenv import RankEnvironment
+from training.rank_environment import RankEnvironment
 
 # The failure rate assumed until the run has seen one: an hourly failure is the planning figure
 # of large jobs (Llama 3 405B: one interruption every ~3 h on 16k GPUs); smaller jobs fail less,

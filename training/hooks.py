@@ -35,7 +35,7 @@ def build_hooks(spec: RunSpec, rank: int, world_size: int) -> list[TrainHook]:
 
     from training.faults import FaultHook
     from training.heartbeat import HeartbeatHook
-    from training.rankenv import RankEnvironment
+    from training.rank_environment import RankEnvironment
     from training.run_dir import RunDir
 
     env = RankEnvironment.from_environ()

@@ -1,18 +1,11 @@
-"""What rank 0 reports: the events file the node agent tails, model FLOPs utilisation, memory.
-
-Event contract (one JSON object per line, appended and flushed line by line):
-
-    {"kind": "metrics", "time": t, "step": n, "loss": f, "lr": f, "grad_norm": f,
-     "tokens_per_s": f, "mfu": f, "step_time": f, "memory_mb": f}
-    {"kind": "checkpoint", "time": t, "step": n, "path": "<committed checkpoint dir>"}
-    {"kind": "resumed", "time": t, "step": n, "path": "<its checkpoint dir>"}  # started from step n
-    {"kind": "finished", "time": t, "step": n}
+"""What rank 0 measures: model FLOPs utilisation, memory, and the step line of the run's log.
 
 `tokens_per_s` is the step's tokens over the wall time since the previous step ended (the step's
 own time for the first step of an attempt), so whatever runs between steps (a checkpoint save, hooks)
 lowers it as it lowers what a user gets; `step_time` is the step alone. `mfu` is `mfu(tokens_per_s,
 …)`: the same function as bench.train_throughput's and the planner's FLOP count. `memory_mb` is rank
-0's peak: process memory on CPU, allocated GPU memory on CUDA (training/device.py).
+0's peak: process memory on CPU, allocated GPU memory on CUDA (training/device.py). The events
+that carry them are `training.rank_events`'.
 
 Rank 0 also prints one line per step (`step_line`), on resume and on each committed checkpoint to
 stdout, flushed: the node agent captures it as the run's log, which users follow live.
@@ -20,44 +13,15 @@ stdout, flushed: the node agent captures it as the run's log, which users follow
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
-import threading
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 from training.config import ModelConfig
 
 if TYPE_CHECKING:  # torch is imported where a probe runs: the planner and control plane use this module without it
     import torch
-
-METRIC_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "memory_mb")
-
-
-class EventLog:
-    """Appends events to a JSON-lines file; each line is flushed so a tailing reader sees it at once.
-
-    Thread-safe: a background checkpoint save reports its commit from its own thread."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._file: TextIO = path.open("a", encoding="utf-8")
-        self._lock = threading.Lock()
-
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"kind": kind, "time": time.time(), **fields}
-        line = json.dumps(event) + "\n"
-        with self._lock:
-            self._file.write(line)
-            self._file.flush()
-        return event
-
-    def close(self) -> None:
-        self._file.close()
-
 
 def step_line(metrics: dict[str, Any], total_steps: int) -> str:
     """Rank 0's human-readable line for one step, as users read it in the run's log.
@@ -69,10 +33,6 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
         f"grad_norm {metrics['grad_norm']:.3f} tok/s {metrics['tokens_per_s']:.0f} "
         f"mfu {100 * metrics['mfu']:.1f}% step {metrics['step_time']:.2f}s mem {metrics['memory_mb']:.0f}MB"
     )
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

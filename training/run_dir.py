@@ -105,7 +105,7 @@ class NodeDir:
 
     @property
     def spool_file(self) -> Path:
-        """Every event of this node, numbered, fsync'd before it is sent (`training.report`)."""
+        """Every event of this node, numbered, fsync'd before it is sent (`training.agent.uplink`)."""
         return self.path / "spool.jsonl"
 
     @property
@@ -170,7 +170,7 @@ class RunDir:
 
     @property
     def standalone_log(self) -> Path:
-        """Output of ranks a tool started without an agent (`training.check_parity`)."""
+        """Output of ranks a tool started without an agent (`tools.check_parity`)."""
         return self.path / "log.txt"
 
     # --- the node agents' and the ranks' files ---------------------------------------------

@@ -26,8 +26,8 @@ from training.config import RunSpec
 from training.data import PreparedData, prepare_data
 from training.device import activate, device_from_environment
 from training.hooks import build_hooks
-from training.metrics import EventLog
-from training.rankenv import EVENTS_FILE, NON_RETRYABLE_EXIT, ErrorClass, RankEnvironment, RankError
+from training.rank_environment import EVENTS_FILE, NON_RETRYABLE_EXIT, ErrorClass, RankEnvironment, RankError
+from training.rank_events import EventLog
 from training.run_dir import RunDir
 from training.trainer import Trainer
 

@@ -25,10 +25,11 @@ from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.device import CPU, ComputeDevice, device_peak_memory_mb, peak_flops
 from training.hooks import TrainHook
-from training.metrics import EventLog, mfu, step_line
+from training.metrics import mfu, step_line
 from training.model import Transformer, cross_entropy_loss
 from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
+from training.rank_events import EventLog
 from training.run_dir import RunDir
 
 

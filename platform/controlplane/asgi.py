@@ -1,5 +1,5 @@
 """ASGI entry (`uvicorn controlplane.asgi:application`): websockets through Channels, the OpenAI
-endpoint under /v1/ as a bare ASGI app (deployments/openai.py says why), other HTTP through Django."""
+endpoint under /v1/ as a bare ASGI app (deployments/openai_endpoint.py says why), other HTTP through Django."""
 
 import os
 import sys
@@ -24,7 +24,7 @@ from channels.security.websocket import AllowedHostsOriginValidator
 from accounts.websocket import TokenOrSessionAuthMiddleware
 from controlplane.observability_asgi import count_websockets, observe_http
 from controlplane.routing import websocket_urlpatterns
-from deployments.openai import openai_endpoint
+from deployments.openai_endpoint import openai_endpoint
 
 
 async def http_application(

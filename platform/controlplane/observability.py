@@ -40,6 +40,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from controlplane.processes import flock_held
+
 # --- The metric folder -------------------------------------------------------------------------
 
 _HOST = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()) or "host"
@@ -50,24 +52,10 @@ def process_id() -> str:
     return f"{_HOST}-{os.getpid()}"
 
 
-def _held(lock_file: Path) -> bool:
-    """Whether a live process holds `lock_file` (its `.alive` flock), without keeping it."""
-    try:
-        with lock_file.open("a") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(f, fcntl.LOCK_UN)
-            return False
-    except FileNotFoundError:
-        return False
-
-
 def _forget_dead(folder: Path) -> None:
     """Removes the live gauges (and the `.alive` files) of processes that no longer run."""
     for alive in folder.glob("*.alive"):
-        if not _held(alive):
+        if not flock_held(alive):
             mark_process_dead(alive.stem, str(folder))
             alive.unlink(missing_ok=True)
     for gauge in folder.glob("gauge_live*_*.db"):
@@ -91,7 +79,7 @@ class _Folder:
     def join(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         with self._guard():
-            if not any(_held(alive) for alive in self.path.glob("*.alive")):
+            if not any(flock_held(alive) for alive in self.path.glob("*.alive")):
                 # No process of this install runs: a fresh start, as the client's docs want it.
                 for stale in [*self.path.glob("*.db"), *self.path.glob("*.alive")]:
                     stale.unlink(missing_ok=True)

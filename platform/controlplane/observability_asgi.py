@@ -23,7 +23,7 @@ from channels.db import database_sync_to_async
 
 from controlplane.observability import HTTP_ERRORS, V1_DURATION, V1_REQUESTS, V1_TOKENS, V1_TTFT, WEBSOCKET_CLIENTS
 from controlplane.observability_logs import REQUEST_ID, request_id_from
-from serving.requests import ENDPOINTS
+from serving.openai_requests import ENDPOINTS
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -4,6 +4,7 @@ own, and the control plane later asks only whether its pid still lives."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import subprocess
@@ -41,6 +42,21 @@ def is_alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except (FileNotFoundError, IndexError):
+        return False
+
+
+def flock_held(path: Path) -> bool:
+    """Whether some live process holds a flock on `path`; asks without keeping it (a missing
+    file is held by nobody)."""
+    try:
+        with path.open("a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+    except FileNotFoundError:
         return False
 
 

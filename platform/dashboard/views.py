@@ -17,7 +17,7 @@ from dashboard.launch_form import GROUPS
 from deployments.models import Deployment
 from runs.models import Run, RunEvent
 from training.config import RECIPES
-from training.layout_costs import DEVICES
+from training.planner.layout_costs import DEVICES
 
 # A sparkline is a few dozen pixels wide; more points than this only cost bytes.
 SPARKLINE_POINTS = 60

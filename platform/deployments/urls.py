@@ -1,7 +1,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
-from deployments.openai import playground_chat
+from deployments.openai_endpoint import playground_chat
 from deployments.views import DeploymentViewSet
 
 router = DefaultRouter(trailing_slash=True)

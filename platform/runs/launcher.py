@@ -4,12 +4,11 @@ Agents outlive the Celery task that starts them: the task returns as soon as the
 agent is started under `flock -n` on a per-node lock file, so a launch delivered twice (a
 worker killed after it claimed the run) can never start a second agent for the same node. A run
 of several nodes also gets its rendezvous store as a process of its own
-(training/rendezvous_store.py), so that losing node 0's agent does not end the job.
+(training/agent/rendezvous_store.py), so that losing node 0's agent does not end the job.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from controlplane.processes import free_port, is_alive, start_detached
+from controlplane.processes import flock_held, free_port, is_alive, start_detached
 from runs.models import Run
 from training.run_dir import RunDir
 
@@ -46,7 +45,7 @@ def start_agents(run: Run, folder: Path, token: str) -> list[int]:
     if run.node_count > 1:
         # It leaves by itself once no agent of the run holds its lock; the agents only connect.
         start_detached(
-            [settings.TRAINING_PYTHON, "-m", "training.rendezvous_store", "--endpoint", rdzv, "--run-dir", str(folder)],
+            [settings.TRAINING_PYTHON, "-m", "training.agent.rendezvous_store", "--endpoint", rdzv, "--run-dir", str(folder)],
             run_dir.rendezvous_store_log,
         )
         store_args = ["--host-store", "no"]
@@ -78,14 +77,7 @@ def agents_alive(run: Run) -> bool:
     The lock, not a recorded pid, is the truth: a worker killed between starting an agent and
     saving its pid leaves no pid behind, but the agent still holds its lock.
     """
-    for lock in run.run_dir.agent_locks():
-        with lock.open("a") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(f, fcntl.LOCK_UN)
-    return False
+    return any(flock_held(lock) for lock in run.run_dir.agent_locks())
 
 
 def has_local_agents(run: Run) -> bool:

@@ -7,7 +7,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from training.planner import plan_query
+from training.planner.search import plan_query
 
 
 class PlanView(APIView):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import Agents, training_spec, wait_for
-from training.agent import ExitCode
+from training.agent.node_agent import ExitCode
 from training.heartbeat import read_beat
 from training.run_dir import RunDir
 

@@ -91,7 +91,7 @@ def test_losing_node_0_continues_on_node_1_when_the_store_runs_apart(agents: Age
     run_dir.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
     store = subprocess.Popen(
-        [sys.executable, "-m", "training.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "training.agent.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(run_dir)],
         cwd=ROOT,
         stdout=(tmp_path / "store.out").open("wb"),
         stderr=subprocess.STDOUT,

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tests.faults.harness import ROOT, free_port, wait_for
-from training.rendezvous_store import held_flocks
+from training.agent.rendezvous_store import held_flocks
 
 
 def test_held_flocks_reads_proc_locks_and_skips_waiters() -> None:
@@ -27,7 +27,7 @@ def test_the_store_lives_while_an_agent_holds_its_lock_and_leaves_after(tmp_path
     agent = subprocess.Popen(["flock", "-n", str(lock), "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     endpoint = f"127.0.0.1:{free_port()}"
     store = subprocess.Popen(
-        [sys.executable, "-m", "training.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(tmp_path),
+        [sys.executable, "-m", "training.agent.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(tmp_path),
          "--start-grace-s", "60", "--idle-exit-s", "1"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tests.faults.harness import IngestServer, read_jsonl, wait_for
-from training.report import Reporter, ReporterConfig
+from training.agent.uplink import Reporter, ReporterConfig
 from training.run_dir import NodeDir
 
 OUTAGE_SECONDS = 10.0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import Agents, training_spec
-from training.agent import ExitCode
+from training.agent.node_agent import ExitCode
 from training.config import RunSpec
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from training.metrics import EventLog
-from training.wakeup import FileWaker
+from training.agent.wakeup import FileWaker
+from training.rank_events import EventLog
 
 # Long enough that returning by timeout and returning by notification cannot be confused.
 NEVER = 30.0

@@ -10,17 +10,15 @@ from pathlib import Path
 import pytest
 
 from training.config import SpecError
-from training.layout_costs import DEVICES, Cluster, model_preset
-from training.plan_report import report
-from training.planner import plan, plan_query
+from training.planner.layout_costs import DEVICES, Cluster, model_preset
+from training.planner.paper_report import report
+from training.planner.search import plan, plan_query
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "training.plan", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+def run_plan(*args: str, module: str = "training.planner") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_it_ranks_the_layouts_that_fit_by_step_time_and_explains_the_winner() -> None:
@@ -101,13 +99,13 @@ def test_the_committed_report_is_what_the_command_writes() -> None:
         assert title in text
     assert "arXiv:2407.21783" in text and "llama3_h100_202412_torchtitan.md" in text
     assert (REPO / "docs" / "planning.md").read_text() == text, (
-        "run: python -m training.plan report --write docs/planning.md"
+        "run: python -m training.planner report --write docs/planning.md"
     )
 
 
 def test_a_measured_cpu_device_file_drives_the_planner(tmp_path: Path) -> None:
     device_file = tmp_path / "cpu.json"
-    env_cmd = [sys.executable, "-m", "training.calibrate", "--ranks", "2", "--out", str(device_file)]
+    env_cmd = [sys.executable, "-m", "training.planner.calibrate", "--ranks", "2", "--out", str(device_file)]
     proc = subprocess.run(env_cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(device_file.read_text())
@@ -132,6 +130,16 @@ def test_a_measured_cpu_device_file_drives_the_planner(tmp_path: Path) -> None:
 
 
 def test_the_planner_imports_without_torch_so_the_control_plane_can_call_it() -> None:
-    code = "import sys, training.planner, training.plan; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = (
+        "import sys, training.planner.search, training.planner.cli, training.plan, training.run_dir; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_earlier_command_name_runs_the_same_planner() -> None:
+    query = ("--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8", "--json")
+    earlier, now = run_plan(*query, module="training.plan"), run_plan(*query)
+    assert earlier.returncode == now.returncode == 0, earlier.stderr + now.stderr
+    assert json.loads(earlier.stdout) == json.loads(now.stdout)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from training.config import ModelConfig, Schedule
-from training.layout_costs import (
+from training.metrics import flops_per_token
+from training.model import Transformer, cross_entropy_loss
+from training.planner.layout_costs import (
     BEFORE_FIXES,
     DEVICES,
     FATHOM,
@@ -29,9 +31,7 @@ from training.layout_costs import (
     saved_per_token,
     stage_params,
 )
-from training.metrics import flops_per_token
-from training.model import Transformer, cross_entropy_loss
-from training.planner import fit_reason
+from training.planner.search import fit_reason
 
 H100_128 = Cluster(device=DEVICES["h100"], nodes=128, devices_per_node=8)
 TINY = ModelConfig(n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=24)

@@ -16,7 +16,7 @@ import pytest
 from asgiref.sync import async_to_sync
 
 from controlplane.asgi import application
-from deployments import openai
+from deployments import openai_endpoint
 from deployments.models import ApiKey, Deployment
 from runs.models import Checkpoint, Run
 from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
@@ -140,7 +140,7 @@ def test_a_ready_deployment_without_live_replicas_is_503_not_a_hang(keys):
 
 
 def test_a_revoked_key_is_refused_once_its_cache_entry_expires(keys, monkeypatch):
-    monkeypatch.setattr(openai, "KEY_CACHE_S", 0.3)
+    monkeypatch.setattr(openai_endpoint, "KEY_CACHE_S", 0.3)
     assert_openai_error(post("/v1/chat/completions", chat("alice-model"), keys["alice"]), 503)  # let in
     ApiKey.objects.update(revoked=True)
     time.sleep(0.4)
@@ -154,13 +154,13 @@ def test_unknown_paths_and_wrong_methods_answer_in_openai_shape(keys):
 
 def test_a_burst_on_one_key_checks_it_once_and_lets_every_request_in(keys, monkeypatch):
     lookups = []
-    check = openai._served_for_key
+    check = openai_endpoint._served_for_key
 
     async def counted(raw, digest):
         lookups.append(raw)
         return await check(raw, digest)
 
-    monkeypatch.setattr(openai, "_served_for_key", counted)
+    monkeypatch.setattr(openai_endpoint, "_served_for_key", counted)
     headers = {"Authorization": f"Bearer {keys['alice']}"}
 
     async def burst() -> list[httpx.Response]:

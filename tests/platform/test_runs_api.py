@@ -220,7 +220,7 @@ def test_the_planner_names_a_bad_query_parameter(alice_api):
 def test_the_agent_reads_the_run_token_it_is_launched_with_even_one_starting_with_a_dash(alice_api):
     """secrets.token_urlsafe starts with "-" once in 64 tokens; argparse must not take it for an option."""
     from runs.launcher import agent_arguments
-    from training.agent import _parse_args
+    from training.agent.node_agent import _parse_args
 
     run = Run.objects.get(pk=alice_api.post("/api/runs/", {"name": "t", "recipe": "tiny"}, format="json").json()["id"])
     for token in ("-dash-first_token", "plain-token"):

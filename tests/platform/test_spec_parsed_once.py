@@ -97,5 +97,6 @@ def test_the_spec_is_parsed_once_at_submit_once_by_the_agent_and_once_by_the_ran
     assert events[-1]["kind"] == "succeeded", events[-1]
     assert len(in_control_plane) == 1, "the launch parses nothing"
 
-    by_process = Counter(line.strip() for line in parse_log.read_text().splitlines())
+    # `python -m training.agent` runs the package's __main__.
+    by_process = Counter(line.strip().removesuffix(".__main__") for line in parse_log.read_text().splitlines())
     assert by_process == {"training.agent": 1, "training.train": 1}, by_process

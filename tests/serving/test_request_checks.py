@@ -10,7 +10,7 @@ import transformers
 
 from serving.errors import OpenAIError, normalize_error_body
 from serving.gateway import Gateway
-from serving.requests import PromptCounter, ServedModel, check_request
+from serving.openai_requests import PromptCounter, ServedModel, check_request
 from serving.router import Router, StaticReplicas
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from training.check_parity import shared_data
+from tools.check_parity import shared_data
 from training.config import DataConfig, tiny
 
 torch.set_num_threads(1)  # the test process shares the host's few cores with the ranks it launches

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from training.check_parity import launch, parity_spec, step_values
+from tools.check_parity import launch, parity_spec, step_values
 from training.checkpoint import read_metadata, remove_uncommitted
 from training.config import DataConfig, RunSpec
-from training.metrics import METRIC_KEYS
+from training.rank_events import METRIC_KEYS
 from training.run_dir import CheckpointDir, RunDir
 
 TIMEOUT = 600

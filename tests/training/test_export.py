@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from training.check_parity import launch, parity_spec
+from tools.check_parity import launch, parity_spec
 from training.config import DataConfig, RunSpec
 from training.export import export, load_model
 from training.run_dir import RunDir

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from training.check_parity import Parity, check_parity, launch, parity_spec, reference_spec, step_values
+from tools.check_parity import Parity, check_parity, launch, parity_spec, reference_spec, step_values
 from training.config import DataConfig, RunSpec
 
 STEPS = 5

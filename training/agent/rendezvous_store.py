@@ -6,7 +6,7 @@ run with more than one node the launcher starts this process first and has every
 it (`--host-store no`), so any node, node 0 included, may be lost. (The ranks' own store is not
 affected: each rendezvous round's rank-0 agent hosts it anew.)
 
-    python -m training.rendezvous_store --endpoint HOST:PORT --run-dir DIR
+    python -m training.agent.rendezvous_store --endpoint HOST:PORT --run-dir DIR
 
 It leaves when the run's agents are gone: once no agent lock of the run folder is held (the launcher
 starts each agent under flock on it) for IDLE_EXIT_S. The locks are read from /proc/locks, never
@@ -60,7 +60,7 @@ def agents_running(run_dir: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m training.rendezvous_store", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m training.agent.rendezvous_store", description=__doc__.split("\n\n")[0])
     parser.add_argument("--endpoint", required=True, help="HOST:PORT the agents are given as --rdzv-endpoint")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--start-grace-s", type=float, default=START_GRACE_S, help="for the first agent to appear")

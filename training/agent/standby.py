@@ -1,6 +1,6 @@
 """A warm spare rank: imports the trainer ahead of time, then becomes a rank when told to.
 
-    python -m training.standby training.train      (started by the node agent, never by hand)
+    python -m training.agent.standby training.train      (started by the node agent, never by hand)
 
 Most of a restart on a CPU host is Python importing torch and the trainer (3-5 s on a loaded
 2-core machine), time in which the whole job stands still. The agent therefore keeps one standby

@@ -30,7 +30,7 @@ from deployments.models import ApiKey, Deployment
 from serving.app import Receive, Scope, Send, read_body, send_json, send_response
 from serving.errors import OpenAIError
 from serving.gateway import Gateway, deployment_gateway
-from serving.requests import ENDPOINTS, unknown_endpoint
+from serving.openai_requests import ENDPOINTS, unknown_endpoint
 from serving.router import ProxyResponse, error_response
 
 # last_used_at is a hint for humans; writing it on every request would add a DB write per call.

@@ -10,7 +10,7 @@ Two facts about process lifetime drive this module:
 * A rank may start helpers of its own. Each rank leads its own process group, so one `killpg`
   stops the rank and everything it started.
 
-A restart can also take a warm standby (`training.standby`): a process started the same way that
+A restart can also take a warm standby (`training.agent.standby`): a process started the same way that
 has already imported the trainer, and becomes rank R when handed its environment.
 
 stdout and stderr of rank R are appended to its rank log (`RunDir.rank_log`), across restarts, so the
@@ -48,7 +48,7 @@ class RankSlot:
     env: dict[str, str]
     log: Path  # stdout and stderr, appended
     heartbeat_file: Path
-    error_file: Path  # where the rank reports an error no restart can cure (training.rankenv.RankError)
+    error_file: Path  # where the rank reports an error no restart can cure (training.rank_environment.RankError)
 
 
 @dataclass(kw_only=True)
@@ -123,7 +123,7 @@ def spawn_standby(entrypoint: str, *, env: dict[str, str], log: Path) -> Standby
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         popen = subprocess.Popen(
-            [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), sys.executable, "-m", "training.standby", entrypoint],
+            [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), sys.executable, "-m", "training.agent.standby", entrypoint],
             env=env,
             stdin=subprocess.PIPE,
             stdout=out,

@@ -10,7 +10,7 @@ the moment it is known. A thread ships what the control plane has not acknowledg
     -> 200 {"last_seq": n}      (the highest seq the server holds from this source)
 
 and remembers `last_seq`. The thread sleeps until a rank writes to an events file or the agent
-emits (`training.wakeup`: inotify and a pipe), so a point leaves within milliseconds of its birth;
+emits (`training.agent.wakeup`: inotify and a pipe), so a point leaves within milliseconds of its birth;
 while lines keep coming, the time one POST takes gathers the next batch. While the control plane is down, requests fail and are retried with
 exponential backoff; nothing is dropped because everything is in the spool. Nothing is delivered
 twice because only seq > last_seq is sent, and the server dedupes on (run, source, seq) anyway,
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.agent.wakeup import FileWaker
 from training.run_dir import NodeDir
-from training.wakeup import FileWaker
 
 # (kind, time, data, where it was read: (events file, offset after the line) or None)
 ACKED_WRITE_INTERVAL = 1.0  # seconds between writes of the spool's `acked` file

@@ -1,4 +1,4 @@
-"""Measures this machine as a planner `Device`: `python -m training.calibrate [--ranks 2] [--out cpu.json]`.
+"""Measures this machine as a planner `Device`: `python -m training.planner.calibrate [--ranks 2] [--out cpu.json]`.
 
 - Peak FLOP/s: the best n×n matmul of one thread, fp32 and bf16 (`measure_matmul_peak`, the same
   figure the trainer divides by for its CPU MFU).
@@ -7,8 +7,8 @@
   same link: pass a JSON edited for a real multi-host CPU cluster.
 - Memory: this host's RAM shared by the ranks.
 
-The JSON is `python -m training.plan --device-file`'s input. The `cpu` preset in
-training/layout_costs.py holds what this printed on Fathom's 2-core development machine.
+The JSON is `python -m training.planner --device-file`'s input. The `cpu` preset in
+training/planner/layout_costs.py holds what this printed on Fathom's 2-core development machine.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from training.layout_costs import DEVICES, Device
 from training.metrics import measure_matmul_peak
+from training.planner.layout_costs import DEVICES, Device
 
 PAYLOAD_BYTES = 16 * 2**20  # large enough that bandwidth, not latency, sets the time
 REPEATS = 5
@@ -95,7 +95,7 @@ def measure(ranks: int) -> Device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.calibrate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m training.planner.calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2, help="processes sharing the host in the link test")
     parser.add_argument("--out", type=Path, help="write the Device JSON here as well")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 `plan()` walks every layout of the cluster's world size (dp × tp × pp, ZeRO stage 0-3, recompute
 none/selective/full, micro-batch size, 1F1B or interleaved schedule), estimates each with
-training/layout_costs.py, ranks those that fit by step time and keeps the others with the reason
+training/planner/layout_costs.py, ranks those that fit by step time and keeps the others with the reason
 they were turned down. `explain()` puts the winner in words: where its memory and time go, and what
 each alternative setting would have cost. `plan_query()` is the control plane's entry point.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from training.config import ModelConfig, Precision, Schedule, SpecError
-from training.layout_costs import (
+from training.planner.layout_costs import (
     DEVICES,
     FATHOM,
     IMPLEMENTATIONS,

@@ -8,15 +8,15 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
 `LocalElasticAgent` falls short:
 
 * ranks are started so they die with the agent and log to their rank log (`training.run_dir`)
-  (`training.ranks`), and are watched for hangs as well as exits (`training.watchdog`);
+  (`training.agent.rank_processes`), and are watched for hangs as well as exits (`training.agent.watchdog`);
 * the restart budget (`nodes.max_restarts`) counts failures in a row without progress: an attempt
   that committed a newer checkpoint than it resumed from gives the budget back, so a long run that
   fails now and then is not ended by it, while a crash loop still is;
 * restarts after a failure that made no progress back off exponentially;
 * a rank that reports an error no restart can cure (bad data, a spec it refuses, a broken
-  tokenizer: `training.rankenv.RankError`) fails the run at once with that reason;
+  tokenizer: `training.rank_environment.RankError`) fails the run at once with that reason;
 * every lifecycle event, and rank 0's events, go through the spooling reporter
-  (`training.report`) to the control plane;
+  (`training.agent.uplink`) to the control plane;
 * when the rendezvous ends with fewer nodes than `nodes.max` (a node was lost and `nodes.min`
   allows going on), the ranks get a spec whose `layout.dp` fits the new world size;
 * SIGTERM (or the run folder's cancel marker) cancels: ranks get SIGTERM, the newest committed
@@ -50,10 +50,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from training.config import RunSpec
-from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
-from training.rankenv import RankEnvironment, RankError
-from training.ranks import (
+from training.agent.rank_processes import (
     RankProcess,
     RankSlot,
     Standby,
@@ -63,13 +60,16 @@ from training.ranks import (
     stop_ranks,
     wait_for_exit,
 )
-from training.report import Reporter, ReporterConfig
+from training.agent.uplink import Reporter, ReporterConfig
+from training.agent.watchdog import RankFailure, Watchdog, WatchdogConfig
+from training.config import RunSpec
+from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
+from training.rank_environment import RankEnvironment, RankError
 from training.run_dir import NodeDir, RunDir
-from training.watchdog import RankFailure, Watchdog, WatchdogConfig
 
 logger = logging.getLogger("fathom.agent")
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ExitCode(enum.IntEnum):

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from training.agent.rank_processes import RankProcess
 from training.heartbeat import Beat, read_beat
-from training.ranks import RankProcess
 
 FailureReason = Literal["exited", "killed by signal", "hung"]
 

@@ -1,6 +1,6 @@
 """Does a parallel layout train exactly like one process? Runs both and compares per-step losses.
 
-    python -m training.check_parity --dp 2 --tp 2 --pp 2 --zero 3 --steps 5
+    python -m tools.check_parity --dp 2 --tp 2 --pp 2 --zero 3 --steps 5
 
 launches the layout under torchrun (gloo, one thread per rank) and a single-process reference on
 the same data, tokenizer and seed (the `tiny` recipe), and prints `max |Δloss| = …` last.
@@ -20,7 +20,7 @@ from typing import Any
 
 from training.config import DataConfig, RunSpec, tiny
 from training.data import prepare_data
-from training.metrics import read_events
+from training.rank_events import read_events
 from training.run_dir import RunDir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def check_parity(spec: RunSpec, work_dir: Path, timeout: float = 600.0) -> Parit
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m training.check_parity", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.check_parity", description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)

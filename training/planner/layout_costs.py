@@ -107,7 +107,7 @@ DEVICES: dict[str, Device] = {
         inter_node_gbps=22,
         matmul_efficiency=0.7,
     ),
-    # One CPU rank per core with gloo over loopback, as `python -m training.calibrate --ranks 2`
+    # One CPU rank per core with gloo over loopback, as `python -m training.planner.calibrate --ranks 2`
     # measured on Fathom's 2-core development machine (shared, so the link figures are noisy);
     # rerun it elsewhere and pass the JSON with --device-file. Tiny models on CPU are dominated by
     # per-op overhead, so step times here are optimistic; memory and traffic are what is calibrated.

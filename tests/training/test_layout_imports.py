@@ -1,0 +1,67 @@
+"""The import table of docs/ARCHITECTURE.md holds: each process's code takes from the others only
+what the table allows (imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def imports_of(folder: Path) -> dict[str, set[str]]:
+    """Every module under `folder` → the dotted names it imports, anywhere in its body."""
+    found: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        if "migrations" in path.parts:
+            continue
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        found[str(path.relative_to(REPO))] = names
+    return found
+
+
+def offending(folder: str, allowed: tuple[str, ...], watched: tuple[str, ...]) -> dict[str, list[str]]:
+    """Imports of a `watched` package by modules under `folder` that `allowed` does not cover."""
+    wrong = {}
+    for module, names in imports_of(REPO / folder).items():
+        bad = sorted(
+            n for n in names
+            if n.split(".")[0] in watched and not any(n == a or n.startswith(a + ".") for a in allowed)
+        )  # fmt: skip
+        if bad:
+            wrong[module] = bad
+    return wrong
+
+
+def test_the_ranks_code_never_imports_the_agent_or_the_planner() -> None:
+    rank_side = {
+        module: sorted(n for n in names if n.startswith(("training.agent", "training.planner")))
+        for module, names in imports_of(REPO / "training").items()
+        if not module.startswith(("training/agent/", "training/planner/")) and module != "training/plan.py"
+    }
+    assert {m: n for m, n in rank_side.items() if n} == {}
+
+
+def test_the_agent_takes_from_the_root_only_the_contracts_it_shares_with_the_ranks() -> None:
+    shared = ("training.agent", "training.config", "training.run_dir", "training.rank_environment", "training.heartbeat")
+    assert offending("training/agent", shared, ("training",)) == {}
+
+
+def test_the_planner_takes_only_the_config_and_the_flop_count() -> None:
+    allowed = ("training.planner", "training.config", "training.metrics")
+    assert offending("training/planner", allowed, ("training",)) == {}
+
+
+def test_the_control_plane_takes_from_training_only_the_config_the_planner_and_the_run_folder() -> None:
+    allowed = ("training.config", "training.planner", "training.run_dir")
+    assert offending("platform", allowed, ("training",)) == {}
+
+
+def test_training_and_serving_know_nothing_of_each_other_or_of_django() -> None:
+    assert offending("training", (), ("serving", "django", "platform", "controlplane")) == {}
+    assert offending("serving", (), ("training", "django", "platform", "controlplane")) == {}
