@@ -128,10 +128,10 @@ function showError(box, exc) {
 // --- Live metrics and events -------------------------------------------------------------------
 
 const charts = {
-  tps: new LineChart($("chart-dtps"), { series: ["tokens/s"], time: true, yLabel: "tokens/s" }),
-  requests: new LineChart($("chart-requests"), { series: ["running", "waiting"], time: true, yLabel: "requests" }),
-  kv: new LineChart($("chart-kv"), { series: ["KV cache %"], time: true, yRange: [0, 100], yLabel: "% in use" }),
-  ttft: new LineChart($("chart-ttft"), { series: ["TTFT p50 (s)"], time: true, yLabel: "seconds" }),
+  tps: new LineChart($("chart-dtps"), { series: ["tokens/s"], time: true, yLabel: "tokens/s", syncKey: `deployment-${deployment.id}` }),
+  requests: new LineChart($("chart-requests"), { series: ["running", "waiting"], time: true, yLabel: "requests", syncKey: `deployment-${deployment.id}` }),
+  kv: new LineChart($("chart-kv"), { series: ["KV cache %"], time: true, yRange: [0, 100], yLabel: "% in use", syncKey: `deployment-${deployment.id}` }),
+  ttft: new LineChart($("chart-ttft"), { series: ["TTFT p50 (s)"], time: true, yLabel: "seconds", syncKey: `deployment-${deployment.id}` }),
 };
 // A metrics event may describe one replica (`replica` set) or the whole deployment; per-replica
 // samples are combined with the latest sample of every other replica.
