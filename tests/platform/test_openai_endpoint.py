@@ -154,13 +154,13 @@ def test_unknown_paths_and_wrong_methods_answer_in_openai_shape(keys):
 
 def test_a_burst_on_one_key_checks_it_once_and_lets_every_request_in(keys, monkeypatch):
     lookups = []
-    check = openai._served_for_key
+    check = openai._checked_key
 
     async def counted(raw, digest):
         lookups.append(raw)
         return await check(raw, digest)
 
-    monkeypatch.setattr(openai, "_served_for_key", counted)
+    monkeypatch.setattr(openai, "_checked_key", counted)
     headers = {"Authorization": f"Bearer {keys['alice']}"}
 
     async def burst() -> list[httpx.Response]:
