@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.errors import OpenAIError, invalid_request
-from serving.requests import ServedModel, check_request
+from serving.requests import ServedModel, check_request, request_weight
 from serving.router import ProxyResponse, Router, error_response
 
 
@@ -67,4 +67,4 @@ class Gateway:
             model = check_request(path, body, {n: d.model for n, d in self._deployments.items()})
         except OpenAIError as error:
             return error_response(error)
-        return await self._deployments[model.name].router.forward(path, body)
+        return await self._deployments[model.name].router.forward(path, body, weight=request_weight(path, body))
