@@ -13,7 +13,7 @@ import pytest
 from deployments.models import Deployment
 from runs.models import Checkpoint, Run
 from serving.tiny_checkpoint import build_tiny_llama
-from tests.platform.test_metrics import api, scrape, scrape_until, value, wait_for, web  # noqa: F401 (web is a fixture)
+from tests.platform.test_prometheus_metrics import api, scrape, scrape_until, value, wait_for, web  # noqa: F401 (web is a fixture)
 from tests.serving.conftest import CHECKPOINT_CACHE
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
