@@ -240,7 +240,7 @@ async def _answer(scope: Scope, receive: Receive) -> tuple[ProxyResponse | dict[
     if checked is None:
         return _unauthorized(), None
     if checked.rate_limit_per_minute is not None:
-        wait_s = await LIMITER.wait_s(checked.key_id, checked.rate_limit_per_minute)
+        wait_s = await LIMITER.wait_s(checked.prefix, checked.rate_limit_per_minute)
         if wait_s is not None:
             return _rate_limited(checked, wait_s), checked
     served = checked.served

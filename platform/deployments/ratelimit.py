@@ -29,9 +29,10 @@ WINDOW_S = 60.0
 
 
 class Limiter(Protocol):
-    async def wait_s(self, key_id: int, limit: int) -> float | None:
-        """Counts a request of `key_id` against `limit` per WINDOW_S and returns None, or, when
-        the limit is reached, does not count it and returns the seconds until one fits."""
+    async def wait_s(self, key: str, limit: int) -> float | None:
+        """Counts a request of `key` (an API key's prefix: random, and never reused the way a
+        row id is when a database starts over) against `limit` per WINDOW_S and returns None,
+        or, when the limit is reached, does not count it and returns the seconds until one fits."""
         ...
 
 
@@ -39,11 +40,11 @@ class MemoryLimiter:
     """The log in this process's memory: right for the embedded default's one web process."""
 
     def __init__(self) -> None:
-        self._logs: dict[int, deque[float]] = {}
+        self._logs: dict[str, deque[float]] = {}
 
-    async def wait_s(self, key_id: int, limit: int) -> float | None:
+    async def wait_s(self, key: str, limit: int) -> float | None:
         now = time.monotonic()
-        log_ = self._logs.setdefault(key_id, deque())
+        log_ = self._logs.setdefault(key, deque())
         while log_ and log_[0] <= now - WINDOW_S:
             log_.popleft()
         if len(log_) < limit:
@@ -89,10 +90,10 @@ class RedisLimiter:
             script = self._clients[loop_id] = client.register_script(_SLIDING_LOG)
         return script
 
-    async def wait_s(self, key_id: int, limit: int) -> float | None:
+    async def wait_s(self, key: str, limit: int) -> float | None:
         try:
             waited = await self._script()(
-                keys=[f"fathom:ratelimit:key:{key_id}"],
+                keys=[f"fathom:ratelimit:{key}"],
                 args=[limit, int(WINDOW_S * 1_000_000), uuid.uuid4().hex],
             )
         except Exception:

@@ -35,6 +35,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 REDIS_URL = "redis://127.0.0.1:6379/14"  # a database of its own: the test empties it
 
 
+@pytest.fixture(autouse=True)
+def use_written_while_the_database_is_there(transactional_db):
+    """Writes the key use a test's requests left in this process's memory before its database
+    goes (otherwise the exit flush would meet a database that is gone)."""
+    yield
+    async_to_sync(USAGE.flush)()
+
+
 def deployment_of(owner, name: str = "alice-model", status: str = Deployment.Status.READY) -> Deployment:
     run = Run.objects.create(owner=owner, name=name, spec={})
     checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")

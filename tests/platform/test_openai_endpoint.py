@@ -18,12 +18,21 @@ from asgiref.sync import async_to_sync
 from controlplane.asgi import application
 from deployments import openai
 from deployments.models import ApiKey, Deployment
+from deployments.usage import USAGE
 from runs.models import Checkpoint, Run
 from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 
 # transaction=True: the app drops the database connection after each key lookup, as Django does
 # after a request, which a test wrapped in one transaction would not survive.
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def use_written_while_the_database_is_there(transactional_db):
+    """Writes the key use a test's requests left in this process's memory before its database
+    goes (otherwise the exit flush would meet a database that is gone)."""
+    yield
+    async_to_sync(USAGE.flush)()
 
 
 @pytest.fixture(scope="session")
