@@ -55,6 +55,7 @@ async def send_response(send: Send, response: ProxyResponse, receive: Receive | 
         headers.append((b"x-fathom-replica", response.replica.encode()))
     if response.stream is not None:
         headers.append((b"cache-control", b"no-cache"))
+    headers += [(name.encode(), value.encode()) for name, value in response.headers.items()]
     try:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         if response.stream is None or receive is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.errors import OpenAIError, invalid_request
-from serving.openai_requests import PromptCounter, ServedModel, check_request
+from serving.openai_requests import PromptCounter, ServedModel, check_request, request_weight
 from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
 
 
@@ -70,7 +70,7 @@ class Gateway:
             model = check_request(path, body, {n: d.model for n, d in self._deployments.items()})
         except OpenAIError as error:
             return error_response(error)
-        return await self._deployments[model.name].router.forward(path, body)
+        return await self._deployments[model.name].router.forward(path, body, weight=request_weight(path, body))
 
 
 def deployment_gateway(*, name: str, max_model_len: int, checkpoint: str, state_dir: str | Path) -> Gateway:

@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -205,6 +205,23 @@ async def _body_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]
         raise BackendBrokeOff(repr(exc)) from exc
 
 
+@dataclass(frozen=True)
+class TokenUsage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def usage_of(document: Any) -> TokenUsage | None:
+    """The `usage` of an OpenAI response (or stream chunk), if it has a well-formed one."""
+    usage = document.get("usage") if isinstance(document, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return TokenUsage(prompt, completion)
+
+
 @dataclass
 class ProxyResponse:
     """What the view sends back: a status, a content type, and either a whole body or a stream
@@ -215,6 +232,14 @@ class ProxyResponse:
     body: bytes | None = None
     stream: RelayStream | None = None
     replica: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # more response headers (Retry-After, …)
+    whole_usage: TokenUsage | None = None  # a whole answer's usage, read once it arrived
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        """The tokens the answer used, as the replica reported them: known for a whole answer,
+        and for a stream once it ended."""
+        return self.stream.usage if self.stream is not None else self.whole_usage
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         """The body as an async generator, for a framework's streaming response (Django's
@@ -229,6 +254,57 @@ class ProxyResponse:
                 yield chunk
         finally:
             await self.stream.aclose()
+
+
+class UsageTap:
+    """Reads the final token usage off a stream of server-sent events as it is relayed.
+
+    vLLM reports a stream's usage only when asked (`stream_options.include_usage`), in one last
+    event with no choices; the router always asks, and drops that event again (`strip`) when
+    the client did not ask for it. Events are passed on whole: a chunk that ends inside an event
+    waits for the rest of it (clients act only on whole events anyway). Most chunks cost two
+    byte searches.
+    """
+
+    MARK = b'"usage"'
+
+    def __init__(self, *, strip: bool) -> None:
+        self.usage: TokenUsage | None = None
+        self._strip = strip
+        self._carry = b""  # the start of an event whose end has not arrived
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to relay for `chunk` (possibly none yet)."""
+        if not self._carry and chunk.endswith(b"\n\n") and self.MARK not in chunk:
+            return chunk
+        data = self._carry + chunk
+        end = data.rfind(b"\n\n") + 2
+        whole, self._carry = data[:end], data[end:]
+        if self.MARK not in whole:
+            return whole
+        kept = []
+        for event in whole.split(b"\n\n")[:-1]:
+            if self.MARK in event and self._read_usage(event) and self._strip:
+                continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    def rest(self) -> bytes:
+        """What is left when the stream ends: an event that never ended, passed on as it is."""
+        rest, self._carry = self._carry, b""
+        return rest
+
+    def _read_usage(self, event: bytes) -> bool:
+        """Takes the usage of a `data: {...}` event; True if it is the usage-only event."""
+        try:
+            document = json.loads(event.removeprefix(b"data:").strip())
+        except ValueError:
+            return False
+        usage = usage_of(document)
+        if usage is None:
+            return False
+        self.usage = usage
+        return document.get("choices") == []
 
 
 def error_response(error: OpenAIError) -> ProxyResponse:
@@ -299,60 +375,84 @@ class Router:
         tied = [b for b in candidates if self._outstanding.get(b.key, 0) == least]
         return tied[next(self._tiebreak) % len(tied)]
 
-    def _acquire(self, key: str) -> None:
-        self._outstanding[key] = self._outstanding.get(key, 0) + 1
+    def _acquire(self, key: str, weight: int) -> None:
+        self._outstanding[key] = self._outstanding.get(key, 0) + weight
 
-    def _release(self, key: str) -> None:
-        self._outstanding[key] = self._outstanding.get(key, 1) - 1
+    def _release(self, key: str, weight: int) -> None:
+        self._outstanding[key] = self._outstanding.get(key, weight) - weight
 
-    async def forward(self, path: str, body: dict[str, Any]) -> ProxyResponse:
+    async def forward(self, path: str, body: dict[str, Any], *, weight: int = 1) -> ProxyResponse:
         """Send a validated request to a replica and return its answer; never raises for
-        replica failures (they become OpenAI error responses)."""
+        replica failures (they become OpenAI error responses).
+
+        `weight` is the sequences the request asks for (n samples of each prompt): they count
+        as that many requests in flight when the next request picks its replica. A stream is
+        always sent with `stream_options.include_usage`, so its token use is known at its end."""
+        streaming = bool(body.get("stream"))
+        strip_usage = False
+        if streaming:
+            options = body.get("stream_options")
+            options = options if isinstance(options, dict) else {}
+            if not options.get("include_usage"):
+                strip_usage = True
+                body = {**body, "stream_options": {**options, "include_usage": True, "continuous_usage_stats": False}}
         payload = json.dumps(body).encode()
         tried: set[str] = set()
         last_failure = ""
         while (backend := self.pick(tried)) is not None:
             tried.add(backend.key)
-            self._acquire(backend.key)
+            self._acquire(backend.key, weight)
             try:
                 upstream = await backend.send(path, payload)
             except BackendUnavailable as exc:
-                self._release(backend.key)
+                self._release(backend.key, weight)
                 self._ejected_until[backend.key] = time.monotonic() + self._eject_s
                 last_failure = str(exc)
                 log.warning("replica %s unreachable, trying another: %s", backend.key, exc)
                 continue
             except BackendTimeout:
-                self._release(backend.key)
+                self._release(backend.key, weight)
                 return error_response(upstream_timeout(self._timeouts.read_s))
             except BaseException:
-                self._release(backend.key)
+                self._release(backend.key, weight)
                 raise
-            return await self._relay(backend.key, upstream, bool(body.get("stream")))
+            if upstream.status < 400 and streaming:
+                return ProxyResponse(
+                    upstream.status,
+                    upstream.content_type,
+                    stream=self._stream(backend.key, weight, upstream, UsageTap(strip=strip_usage)),
+                    replica=backend.key,
+                )
+            return await self._whole(backend.key, weight, upstream)
         if last_failure:
             return error_response(upstream_failed(f"no replica could be reached (last: {last_failure})"))
         return error_response(no_replica_available(self.model))
 
-    async def _relay(self, key: str, upstream: UpstreamResponse, streaming: bool) -> ProxyResponse:
-        if upstream.status >= 400 or not streaming:
-            try:
-                raw = b"".join([chunk async for chunk in upstream.chunks])
-            except BackendTimeout:
-                return error_response(upstream_timeout(self._timeouts.read_s))
-            except BackendBrokeOff as exc:
-                return error_response(upstream_failed(f"the response broke off: {exc}"))
-            finally:
-                await upstream.close()
-                self._release(key)
-            if upstream.status >= 400:
-                return ProxyResponse(
-                    upstream.status, "application/json", normalize_error_body(upstream.status, raw), replica=key
-                )
-            return ProxyResponse(upstream.status, upstream.content_type, raw, replica=key)
-        return ProxyResponse(upstream.status, upstream.content_type, stream=self._stream(key, upstream), replica=key)
+    def _stream(self, key: str, weight: int, upstream: UpstreamResponse, tap: UsageTap) -> RelayStream:
+        return RelayStream(
+            upstream, release=lambda: self._release(key, weight), read_timeout_s=self._timeouts.read_s, tap=tap
+        )
 
-    def _stream(self, key: str, upstream: UpstreamResponse) -> RelayStream:
-        return RelayStream(upstream, release=lambda: self._release(key), read_timeout_s=self._timeouts.read_s)
+    async def _whole(self, key: str, weight: int, upstream: UpstreamResponse) -> ProxyResponse:
+        """A whole answer (not streamed, or an error), read before it is passed on."""
+        try:
+            raw = b"".join([chunk async for chunk in upstream.chunks])
+        except BackendTimeout:
+            return error_response(upstream_timeout(self._timeouts.read_s))
+        except BackendBrokeOff as exc:
+            return error_response(upstream_failed(f"the response broke off: {exc}"))
+        finally:
+            await upstream.close()
+            self._release(key, weight)
+        if upstream.status >= 400:
+            return ProxyResponse(
+                upstream.status, "application/json", normalize_error_body(upstream.status, raw), replica=key
+            )
+        try:
+            usage = usage_of(json.loads(raw))
+        except ValueError:
+            usage = None
+        return ProxyResponse(upstream.status, upstream.content_type, raw, replica=key, whole_usage=usage)
 
 
 class RelayStream:
@@ -361,35 +461,59 @@ class RelayStream:
     early (a client that hung up), and it is safe to call it twice or before iterating at all:
     a plain async generator would skip its cleanup when closed before its first item."""
 
-    def __init__(self, upstream: UpstreamResponse, *, release: Callable[[], None], read_timeout_s: float) -> None:
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        *,
+        release: Callable[[], None],
+        read_timeout_s: float,
+        tap: UsageTap | None = None,
+    ) -> None:
         self._upstream = upstream
         self._chunks = upstream.chunks.__aiter__()
         self._release: Callable[[], None] | None = release
         self._read_timeout_s = read_timeout_s
-        self._tail: bytes | None = None  # a final error event still to send
+        self._tap = tap
+        self._tail: bytes | None = None  # a last piece still to send before closing
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        return self._tap.usage if self._tap is not None else None
 
     def __aiter__(self) -> RelayStream:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._release is None:
-            raise StopAsyncIteration
-        if self._tail is not None:
-            tail, self._tail = self._tail, None
-            await self.aclose()
-            return tail
-        try:
-            return await self._chunks.__anext__()
-        except (StopAsyncIteration, asyncio.CancelledError):
-            # Cancelled: an ASGI server cancels the response task when the client disconnects.
-            await self.aclose()
-            raise
-        except BackendTimeout:
-            self._tail = upstream_timeout(self._read_timeout_s).sse_event()
-        except BackendBrokeOff as exc:
-            log.warning("stream from a replica broke off: %s", exc)
-            self._tail = upstream_failed(f"the stream broke off: {exc}").sse_event()
-        return await self.__anext__()
+        while True:
+            if self._release is None:
+                raise StopAsyncIteration
+            if self._tail is not None:
+                tail, self._tail = self._tail, None
+                await self.aclose()
+                return tail
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                rest = self._tap.rest() if self._tap is not None else b""
+                if rest:
+                    self._tail = rest
+                    continue
+                await self.aclose()
+                raise
+            except asyncio.CancelledError:
+                # An ASGI server cancels the response task when the client disconnects.
+                await self.aclose()
+                raise
+            except BackendTimeout:
+                self._tail = upstream_timeout(self._read_timeout_s).sse_event()
+                continue
+            except BackendBrokeOff as exc:
+                log.warning("stream from a replica broke off: %s", exc)
+                self._tail = upstream_failed(f"the stream broke off: {exc}").sse_event()
+                continue
+            relayed = self._tap.feed(chunk) if self._tap is not None else chunk
+            if relayed:
+                return relayed
 
     async def aclose(self) -> None:
         release, self._release = self._release, None

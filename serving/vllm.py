@@ -45,6 +45,7 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # "auto" pins vLLM's engine threads per NUMA node; "nobind" leaves placement to the OS; or a
 # list of core ids such as "0-3,8".
 _CPU_BIND = re.compile(r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$")
+_PARSER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 
 class OptionError(ValueError):
@@ -95,6 +96,10 @@ class ReplicaOptions:
     # CPU only: which cores the engine's OpenMP threads use (`VLLM_CPU_OMP_THREADS_BIND`).
     cpu_threads_bind: str = "auto"
     seed: int = 0
+    # The tool-call format the model writes (vLLM's `--tool-call-parser`: hermes, llama3_json,
+    # mistral, …). With one, /v1 takes tools with tool_choice "auto" (`--enable-auto-tool-choice`),
+    # "required" or a named function; without, vLLM answers those with a 400 and only "none" works.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, get_args(Device))
@@ -151,6 +156,13 @@ class ReplicaOptions:
             f"must be 'auto', 'nobind' or core ids like '0-3,8'; got {self.cpu_threads_bind!r}",
         )
         _require(_is_int(self.seed), "seed", f"must be an integer; got {self.seed!r}")
+        _require(
+            self.tool_call_parser is None
+            or (isinstance(self.tool_call_parser, str) and bool(_PARSER_NAME.match(self.tool_call_parser))),
+            "tool_call_parser",
+            f"must be the name of one of vLLM's tool parsers (hermes, llama3_json, mistral, …); "
+            f"got {self.tool_call_parser!r}",
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ReplicaOptions:
@@ -395,6 +407,8 @@ def replica_launch(
         argv += ["--block-size", str(options.block_size)]
     if options.enforce_eager:
         argv.append("--enforce-eager")
+    if options.tool_call_parser:
+        argv += ["--tool-call-parser", options.tool_call_parser, "--enable-auto-tool-choice"]
     if options.quantization == "fp8":
         # An fp8 checkpoint declares itself; a 16/32-bit one is quantized while loading.
         argv += ["--quantization", "fp8"]

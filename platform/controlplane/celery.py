@@ -3,6 +3,7 @@
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 # The repo root holds training/ and serving/; platform/ holds the Django project and apps.
 for _folder in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1]):
@@ -19,7 +20,7 @@ app.autodiscover_tasks()
 
 # --- Worker hooks for observability (controlplane/observability.py) ---------------------------
 
-from celery.signals import setup_logging, task_failure
+from celery.signals import celeryd_after_setup, setup_logging, task_failure
 from django.conf import settings
 
 
@@ -39,3 +40,9 @@ if settings.LOG_FORMAT == "json":
         from controlplane.observability_logs import configure
 
         configure(settings.LOGGING)
+
+    @celeryd_after_setup.connect
+    def _no_banner(instance: Any, **kwargs: object) -> None:
+        # The worker prints its startup banner (queues, tasks) straight to stdout, not as a log
+        # record; `celery -q` would skip it too. (Its one "Warm shutdown" line stays plain text.)
+        instance.quiet = True

@@ -7,7 +7,8 @@ the token usage an answer reports. `count_websockets` keeps the open websocket c
 
 They sit outside the apps they wrap (controlplane/asgi.py): the /v1 app and its router stay
 free of metrics, and what is measured is what the client gets. Per relayed chunk of a stream the
-cost is a length check and a copy of at most TAIL_BYTES, where the usage appears at the end.
+cost is about 0.5 µs (a 20,000-chunk stream: 0.4 µs per chunk bare, 0.9 µs observed), against the
+~46 µs per relayed token the web process spends on /v1 (bench.serving).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ App = Callable[[Any, Any, Any], Awaitable[None]]
 
 log = logging.getLogger("fathom.v1")
 
-# The end of an answer kept to read its usage: OpenAI's shape puts it last (a non-streamed
+# The end of an answer searched for its usage: OpenAI's shape puts it last (a non-streamed
 # body's last field; a stream's last event before [DONE]), and it is a few hundred bytes.
 TAIL_BYTES = 4096
 # The start of an answer searched for its model: the first fields of a body or first event.
@@ -92,7 +93,8 @@ class _V1Exchange:
         self.streamed = False
         self.first_byte_at: float | None = None
         self.head = b""
-        self.tail = b""
+        self.before_last = b""
+        self.last = b""
 
     def response_started(self, message: Message) -> None:
         self.status = int(message["status"])
@@ -105,7 +107,13 @@ class _V1Exchange:
         if self.first_byte_at is None:
             self.first_byte_at = time.perf_counter()
             self.head = body[:HEAD_BYTES]
-        self.tail = (self.tail + body)[-TAIL_BYTES:]
+        # The last two pieces, not copied: the router relays whole events, so the usage event
+        # (or a whole answer's end) is in them.
+        self.before_last, self.last = self.last, body
+
+    @property
+    def tail(self) -> bytes:
+        return (self.before_last + self.last)[-TAIL_BYTES:]
 
     async def record(self, failed: bool) -> dict[str, Any]:
         """Counts the exchange; returns what the log line says about it."""
@@ -122,9 +130,10 @@ class _V1Exchange:
         if self.streamed and self.status == 200 and self.first_byte_at is not None:
             V1_TTFT.labels(deployment).observe(self.first_byte_at - self.arrived)
             facts["ttft_s"] = round(self.first_byte_at - self.arrived, 4)
-        usage = [m for m in _USAGE.finditer(self.tail)]
+        tail = self.tail
+        usage = list(_USAGE.finditer(tail))
         if self.status == 200 and usage:
-            rest = self.tail[usage[-1].end() :]
+            rest = tail[usage[-1].end() :]
             for kind, pattern in (("prompt", _PROMPT_TOKENS), ("completion", _COMPLETION_TOKENS)):
                 if found := pattern.search(rest):
                     V1_TOKENS.labels(deployment, kind).inc(int(found.group(1)))

@@ -45,7 +45,7 @@ class Group:
 GROUPS = [
     Group(
         legend="Layout",
-        hint="dp × tp × pp ranks in all; the product must equal nodes.max × ranks per node.",
+        hint="dp × tp × pp ranks in all, spread evenly over Max nodes: the product must be a multiple of it.",
         inputs=[
             Input(path="spec.layout.dp", label="Data parallel (dp)"),
             Input(path="spec.layout.tp", label="Tensor parallel (tp)"),

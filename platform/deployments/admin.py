@@ -15,5 +15,5 @@ class ReplicaAdmin(admin.ModelAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ["deployment", "name", "lookup", "created_at", "revoked"]
-    readonly_fields = ["key_hash"]
+    list_display = ["deployment", "name", "lookup", "created_at", "last_used_at", "requests", "revoked"]
+    readonly_fields = ["key_hash", "requests", "prompt_tokens", "completion_tokens", "last_used_at"]

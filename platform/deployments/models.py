@@ -80,7 +80,12 @@ class DeploymentEvent(Event):
 
 
 class ApiKey(models.Model):
-    """A key for one deployment's OpenAI-compatible endpoint. Only its SHA-256 is stored."""
+    """A key for one deployment's OpenAI-compatible endpoint. Only its SHA-256 is stored.
+
+    A revoked key is kept (not deleted) so its record of use stays readable. `requests` and the
+    token counts are added up in each web process and written in batches (deployments.usage),
+    so they trail the traffic by up to that module's FLUSH_S.
+    """
 
     PREFIX = "fth-"
 
@@ -91,14 +96,35 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked = models.BooleanField(default=False)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    rate_limit_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Requests per minute this key may make; empty for no limit."
+    )
+    requests = models.BigIntegerField(default=0, help_text="Requests made with this key.")
+    prompt_tokens = models.BigIntegerField(default=0, help_text="Prompt tokens of the answered requests.")
+    completion_tokens = models.BigIntegerField(default=0, help_text="Tokens generated for this key.")
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.lookup}… ({self.deployment})"
 
     @staticmethod
     def hash(raw: str) -> str:
         return hashlib.sha256(raw.encode()).hexdigest()
 
     @classmethod
-    def issue(cls, deployment: Deployment, name: str = "") -> tuple[ApiKey, str]:
+    def issue(
+        cls, deployment: Deployment, name: str = "", rate_limit_per_minute: int | None = None
+    ) -> tuple[ApiKey, str]:
         """Creates a key and returns it with its secret, which is never retrievable again."""
         raw = cls.PREFIX + secrets.token_urlsafe(32)
-        key = cls.objects.create(deployment=deployment, name=name, lookup=raw[: len(cls.PREFIX) + 8], key_hash=cls.hash(raw))
+        key = cls.objects.create(
+            deployment=deployment,
+            name=name,
+            lookup=raw[: len(cls.PREFIX) + 8],
+            key_hash=cls.hash(raw),
+            rate_limit_per_minute=rate_limit_per_minute,
+        )
         return key, raw

@@ -4,8 +4,10 @@ This is the data plane, so it is a bare ASGI app mounted beside Django (controlp
 not a Django view: Django's middleware stack holds a sync-only middleware (WhiteNoise), which
 sends every request through one shared thread, and each stream would pay Django's per-chunk
 response machinery. Here a request costs a key check (a dictionary lookup once the key was
-seen; the database at most every KEY_CACHE_S) and then `serving`'s Gateway: parsing,
-validation, least-outstanding routing, failover and error bodies. The dashboard's playground is
+seen; the database at most every KEY_CACHE_S), the key's rate limit if it has one (one Redis
+script, or a deque in memory: deployments.ratelimit), and then `serving`'s Gateway: parsing,
+validation, least-outstanding routing, failover and error bodies. Its use (requests, tokens)
+is counted in memory and written in batches (deployments.usage). The dashboard's playground is
 a Django view (it needs the session and CSRF) and routes through the same gateways.
 """
 
@@ -14,29 +16,28 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
-from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from deployments.models import ApiKey, Deployment
+from deployments.ratelimit import Limiter, limiter_for_settings
+from deployments.usage import USAGE
 from serving.app import Receive, Scope, Send, read_body, send_json, send_response
 from serving.errors import OpenAIError
 from serving.gateway import Gateway, deployment_gateway
 from serving.openai_requests import ENDPOINTS, unknown_endpoint
 from serving.router import ProxyResponse, error_response
 
-# last_used_at is a hint for humans; writing it on every request would add a DB write per call.
-KEY_TOUCH_INTERVAL = timedelta(minutes=1)
-# How long a checked key is trusted without asking the database again: revoking a key or
-# stopping a deployment reaches every web process within this.
+# How long a checked key is trusted without asking the database again: revoking a key,
+# changing its rate limit or stopping a deployment reaches every web process within this.
 KEY_CACHE_S = 5.0
 
 
@@ -86,6 +87,16 @@ class Gateways:
 GATEWAYS = Gateways()
 
 
+@dataclass(frozen=True)
+class CheckedKey:
+    """A valid key as the endpoint needs it: which key (to count its use), its limit, its deployment."""
+
+    key_id: int
+    prefix: str
+    rate_limit_per_minute: int | None
+    served: Served
+
+
 class KeyCache:
     """Checked keys by their SHA-256, each trusted for KEY_CACHE_S. Unknown keys are not kept
     (anyone can send those), so they always go to the database.
@@ -97,10 +108,10 @@ class KeyCache:
     event loop needed to relay the streams already running (bench.serving's burst)."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[float, Served]] = {}
-        self._checking: dict[str, asyncio.Future[Served | None]] = {}
+        self._entries: dict[str, tuple[float, CheckedKey]] = {}
+        self._checking: dict[str, asyncio.Future[CheckedKey | None]] = {}
 
-    async def served_for(self, authorization: str) -> Served | None:
+    async def check(self, authorization: str) -> CheckedKey | None:
         raw = authorization.removeprefix("Bearer ").strip() if authorization.startswith("Bearer ") else ""
         if not raw.startswith(ApiKey.PREFIX):
             return None
@@ -114,26 +125,35 @@ class KeyCache:
         # shield: a caller that goes away (its client hung up) does not cancel the others' check.
         return await asyncio.shield(check)
 
-    async def _check(self, raw: str, digest: str) -> Served | None:
+    def forget(self, key_id: int) -> None:
+        """Drops a key from this process's cache (it was revoked here); other processes drop it
+        when their entry expires."""
+        for digest, (_, checked) in list(self._entries.items()):
+            if checked.key_id == key_id:
+                self._entries.pop(digest, None)
+
+    async def _check(self, raw: str, digest: str) -> CheckedKey | None:
         try:
-            served = await _served_for_key(raw, digest)
+            checked = await _checked_key(raw, digest)
         finally:
             if self._checking.get(digest) is asyncio.current_task():  # not a later loop's check
                 del self._checking[digest]
-        if served is None:
+        if checked is None:
             self._entries.pop(digest, None)
         else:
-            self._entries[digest] = (time.monotonic() + KEY_CACHE_S, served)
-        return served
+            self._entries[digest] = (time.monotonic() + KEY_CACHE_S, checked)
+        return checked
 
 
 KEYS = KeyCache()
+# Limits are kept where the settings keep the cache: Redis when configured, else this process.
+LIMITER: Limiter = limiter_for_settings()
 
 
 # database_sync_to_async (Channels') closes stale connections around the call, as Django does
 # around a request: this app runs outside Django's request cycle.
 @database_sync_to_async
-def _served_for_key(raw: str, digest: str) -> Served | None:
+def _checked_key(raw: str, digest: str) -> CheckedKey | None:
     key = (
         ApiKey.objects.select_related("deployment__checkpoint")
         .filter(lookup=raw[: len(ApiKey.PREFIX) + 8], revoked=False)
@@ -141,9 +161,12 @@ def _served_for_key(raw: str, digest: str) -> Served | None:
     )
     if key is None or not hmac.compare_digest(digest, key.key_hash):
         return None
-    if key.last_used_at is None or timezone.now() - key.last_used_at > KEY_TOUCH_INTERVAL:
-        ApiKey.objects.filter(pk=key.pk).update(last_used_at=timezone.now())
-    return Served.of(key.deployment)
+    return CheckedKey(
+        key_id=key.pk,
+        prefix=key.lookup,
+        rate_limit_per_minute=key.rate_limit_per_minute,
+        served=Served.of(key.deployment),
+    )
 
 
 @database_sync_to_async
@@ -171,44 +194,87 @@ def _unauthorized() -> ProxyResponse:
     )
 
 
-async def _answer(scope: Scope, receive: Receive) -> ProxyResponse | dict[str, Any]:
-    """The response to one request: a gateway's ProxyResponse, or a JSON document."""
+def _rate_limited(checked: CheckedKey, wait_s: float) -> ProxyResponse:
+    """OpenAI's answer to a request over a requests-per-minute limit: 429, its error body, and
+    Retry-After in whole seconds (the official clients wait that long before retrying)."""
+    limit = checked.rate_limit_per_minute
+    seconds = max(1, math.ceil(wait_s))
+    response = error_response(
+        OpenAIError(
+            429,
+            f"Rate limit reached for the key {checked.prefix}… on requests per min (RPM): Limit {limit}, "
+            f"Used {limit}, Requested 1. Please try again in {seconds}s.",
+            "requests",
+            None,
+            "rate_limit_exceeded",
+        )
+    )
+    response.headers.update(
+        {
+            "retry-after": str(seconds),
+            "x-ratelimit-limit-requests": str(limit),
+            "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": f"{wait_s:.3f}s",
+        }
+    )
+    return response
+
+
+async def _answer(scope: Scope, receive: Receive) -> tuple[ProxyResponse | dict[str, Any], CheckedKey | None]:
+    """The response to one request (a gateway's ProxyResponse, or a JSON document) and the key
+    it was made with, if a valid one."""
     path, method = scope["path"], scope["method"]
     if path != "/v1/models" and path not in ENDPOINTS:
-        return error_response(unknown_endpoint(path))
+        return error_response(unknown_endpoint(path)), None
     allowed = "GET" if path == "/v1/models" else "POST"
     if method != allowed:
         return error_response(
             OpenAIError(
                 405, f"{path} takes {allowed}, not {method}.", "invalid_request_error", None, "method_not_allowed"
             )
-        )
+        ), None
     body = await read_body(receive) if method == "POST" else b""
     authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-    served = await KEYS.served_for(authorization)
-    if served is None:
-        return _unauthorized()
+    checked = await KEYS.check(authorization)
+    if checked is None:
+        return _unauthorized(), None
+    if checked.rate_limit_per_minute is not None:
+        wait_s = await LIMITER.wait_s(checked.prefix, checked.rate_limit_per_minute)
+        if wait_s is not None:
+            return _rate_limited(checked, wait_s), checked
+    served = checked.served
     gateway = GATEWAYS.for_deployment(served)
     if path == "/v1/models":
-        return gateway.models()
+        return gateway.models(), checked
     asked = _requested_model(body)
     if asked is not None and asked != served.model and await _active_deployment_named(asked):
         return error_response(
             OpenAIError(403, f"This API key is for the model {served.model!r}, not {asked!r}.",
                         "invalid_request_error", "model", "model_not_allowed")
-        )  # fmt: skip
+        ), checked  # fmt: skip
     if served.status not in Deployment.ACTIVE:
-        return error_response(OpenAIError(503, f"The deployment {served.model!r} is {served.status}.", "server_error"))
-    return await gateway.handle(path, body)
+        return error_response(
+            OpenAIError(503, f"The deployment {served.model!r} is {served.status}.", "server_error")
+        ), checked
+    return await gateway.handle(path, body), checked
 
 
 async def openai_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI app for every HTTP request under /v1/."""
-    answer = await _answer(scope, receive)
-    if isinstance(answer, ProxyResponse):
-        await send_response(send, answer, receive)
-    else:
-        await send_json(send, 200, answer)
+    answer, checked = await _answer(scope, receive)
+    try:
+        if isinstance(answer, ProxyResponse):
+            await send_response(send, answer, receive)
+        else:
+            await send_json(send, 200, answer)
+    finally:
+        if checked is not None:  # every request a valid key made counts, refused ones included
+            usage = answer.usage if isinstance(answer, ProxyResponse) else None
+            USAGE.record(
+                checked.key_id,
+                usage.prompt_tokens if usage else 0,
+                usage.completion_tokens if usage else 0,
+            )
 
 
 # --- The dashboard's playground (a Django view) --------------------------------------------

@@ -25,8 +25,17 @@ class DeploymentSerializer(ModelSerializer):
     class Meta:
         model = Deployment
         fields = [
-            "id", "name", "checkpoint", "served_model_name", "replicas", "options", "status", "status_reason",
-            "replica_set", "last_seq", "created_at",
+            "id",
+            "name",
+            "checkpoint",
+            "served_model_name",
+            "replicas",
+            "options",
+            "status",
+            "status_reason",
+            "replica_set",
+            "last_seq",
+            "created_at",
         ]
         read_only_fields = ["status", "status_reason", "last_seq", "created_at"]
         extra_kwargs = {"name": {"required": False}, "served_model_name": {"required": False}}
@@ -46,8 +55,37 @@ class DeploymentEventSerializer(ModelSerializer):
 
 
 class ApiKeySerializer(ModelSerializer):
+    """A key as it is listed: never its secret, which only the answer that creates it holds."""
+
+    prefix = serializers.CharField(source="lookup", read_only=True, help_text="The key's first characters.")
+    rate_limit_per_minute = serializers.IntegerField(
+        min_value=1,
+        max_value=1_000_000,
+        required=False,
+        allow_null=True,
+        help_text="Requests per minute this key may make (any 60 s); null for no limit. Over it, /v1 answers 429.",
+    )
+    tokens = serializers.SerializerMethodField(help_text="prompt_tokens + completion_tokens.")
+
     class Meta:
         model = ApiKey
-        fields = ["id", "name", "lookup", "created_at", "last_used_at", "revoked"]
-        read_only_fields = ["lookup", "created_at", "last_used_at", "revoked"]
+        fields = [
+            "id", "name", "prefix", "created_at", "last_used_at", "revoked", "revoked_at", "rate_limit_per_minute",
+            "requests", "prompt_tokens", "completion_tokens", "tokens",
+        ]  # fmt: skip
+        read_only_fields = [
+            "created_at", "last_used_at", "revoked", "revoked_at", "requests", "prompt_tokens", "completion_tokens",
+        ]  # fmt: skip
         extra_kwargs = {"name": {"required": False}}
+
+    def get_tokens(self, key: ApiKey) -> int:
+        return key.prompt_tokens + key.completion_tokens
+
+
+class NewApiKeySerializer(ApiKeySerializer):
+    """The answer to creating a key: the key as listed, and its secret, shown this once."""
+
+    key = serializers.CharField(read_only=True, help_text="The secret: send it as 'Authorization: Bearer <key>'.")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "key"]

@@ -39,7 +39,9 @@ def check_checkpoint(checkpoint: Checkpoint) -> None:
     if checkpoint.pruned_at is None and Path(checkpoint.path).exists():
         return
     kept = list(
-        Checkpoint.objects.filter(run_id=checkpoint.run_id, pruned_at__isnull=True).exclude(pk=checkpoint.pk).values_list("step", flat=True)
+        Checkpoint.objects.filter(run_id=checkpoint.run_id, pruned_at__isnull=True)
+        .exclude(pk=checkpoint.pk)
+        .values_list("step", flat=True)
     )
     raise InvalidInput(
         "checkpoint",
@@ -52,11 +54,18 @@ def do_create_deployment(
     owner: Any, checkpoint: Checkpoint, *, name: str, served_model_name: str, replicas: int, options: dict[str, Any]
 ) -> Deployment:
     check_checkpoint(checkpoint)
-    served = check_served_model_name(served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-"))
+    served = check_served_model_name(
+        served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-")
+    )
     check_options(options, checkpoint.export_path)
     with transaction.atomic():
         deployment = Deployment.objects.create(
-            owner=owner, name=name or served, checkpoint=checkpoint, served_model_name=served, replicas=replicas, options=options
+            owner=owner,
+            name=name or served,
+            checkpoint=checkpoint,
+            served_model_name=served,
+            replicas=replicas,
+            options=options,
         )
         do_record(deployment, "created", {"replicas": replicas, "checkpoint": checkpoint.pk})
         enqueue_on_commit("deployments.tasks.start_deployment", deployment.pk)
@@ -95,9 +104,37 @@ def do_set_status(
     return True
 
 
-def do_issue_key(deployment: Deployment, name: str = "") -> tuple[ApiKey, str]:
-    key, raw = ApiKey.issue(deployment, name)
-    return key, raw
+def do_issue_key(
+    deployment: Deployment, name: str = "", rate_limit_per_minute: int | None = None
+) -> tuple[ApiKey, str]:
+    if deployment.status not in Deployment.ACTIVE:
+        raise WrongState("status", f"keys are made for active deployments; this one is {deployment.status}")
+    return ApiKey.issue(deployment, name, rate_limit_per_minute)
+
+
+def do_change_key(key: ApiKey, **changes: Any) -> ApiKey:
+    """Renames a key or changes its rate limit (`name`, `rate_limit_per_minute`)."""
+    if not ApiKey.objects.filter(pk=key.pk, revoked=False).update(**changes):
+        raise WrongState("revoked", "a revoked key cannot be changed")
+    _forget_cached_key(key.pk)
+    key.refresh_from_db()
+    return key
+
+
+def do_revoke_key(key: ApiKey) -> ApiKey:
+    """Revokes a key for good. This process stops taking it at once, the others within the
+    OpenAI endpoint's KEY_CACHE_S (they cache a checked key that long)."""
+    if not ApiKey.objects.filter(pk=key.pk, revoked=False).update(revoked=True, revoked_at=timezone.now()):
+        raise WrongState("revoked", f"this key was already revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC")
+    _forget_cached_key(key.pk)
+    key.refresh_from_db()
+    return key
+
+
+def _forget_cached_key(key_id: int) -> None:
+    from deployments.openai_endpoint import KEYS
+
+    transaction.on_commit(lambda: KEYS.forget(key_id))
 
 
 def do_record(deployment: Deployment, kind: str, data: dict[str, Any]) -> DeploymentEvent:

@@ -2,10 +2,11 @@ from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
 from deployments.openai_endpoint import playground_chat
-from deployments.views import DeploymentViewSet
+from deployments.views import ApiKeyViewSet, DeploymentViewSet
 
 router = DefaultRouter(trailing_slash=True)
 router.register("deployments", DeploymentViewSet, basename="deployment")
+router.register(r"deployments/(?P<deployment_id>[0-9]+)/keys", ApiKeyViewSet, basename="deployment-key")
 
 urlpatterns = [
     path("deployments/<int:deployment_id>/chat/", playground_chat, name="deployment-chat"),

@@ -3,20 +3,28 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
-from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from deployments import services
-from deployments.models import Deployment
-from deployments.serializers import ApiKeySerializer, DeploymentEventSerializer, DeploymentSerializer
+from deployments.models import ApiKey, Deployment
+from deployments.serializers import (
+    ApiKeySerializer,
+    DeploymentEventSerializer,
+    DeploymentSerializer,
+    NewApiKeySerializer,
+)
 from runs.views import events_after_response, owned
 
 # Lines of a replica's log the start-up panel shows: the last screenful of vLLM's progress.
 LOG_LINES_DEFAULT = 40
 LOG_LINES_MAX = 2000
+
+DEPLOYMENT_ID = OpenApiParameter("deployment_id", int, OpenApiParameter.PATH, description="The deployment's id.")
 
 
 class ReplicaLogQuery(serializers.Serializer):
@@ -65,7 +73,8 @@ class DeploymentViewSet(
     @extend_schema(
         parameters=[ReplicaLogQuery],
         responses=inline_serializer(
-            "ReplicaLogTail", {"replica": serializers.IntegerField(), "lines": serializers.ListField(child=serializers.CharField())}
+            "ReplicaLogTail",
+            {"replica": serializers.IntegerField(), "lines": serializers.ListField(child=serializers.CharField())},
         ),
     )
     @action(detail=True, methods=["get"])
@@ -77,21 +86,50 @@ class DeploymentViewSet(
         replica, lines = query.validated_data["replica"], query.validated_data["lines"]
         return Response({"replica": replica, "lines": services.log_tail(deployment, replica, lines)})
 
-    @extend_schema(
-        methods=["post"],
-        request=ApiKeySerializer,
-        responses={
-            201: inline_serializer("NewApiKey", {"id": serializers.IntegerField(), "key": serializers.CharField()})
-        },
-    )
-    @extend_schema(methods=["get"], responses=ApiKeySerializer(many=True))
-    @action(detail=True, methods=["get", "post"], url_path="keys", pagination_class=None)
-    def keys(self, request: Request, pk: str) -> Response:
-        """GET lists the deployment's keys; POST creates one and shows its secret this once."""
-        deployment = self.get_object()
-        if request.method == "GET":
-            return Response(ApiKeySerializer(deployment.api_keys.all(), many=True).data)
+
+@extend_schema_view(
+    list=extend_schema(parameters=[DEPLOYMENT_ID]),
+    create=extend_schema(parameters=[DEPLOYMENT_ID], responses={201: NewApiKeySerializer}),
+    retrieve=extend_schema(parameters=[DEPLOYMENT_ID]),
+    partial_update=extend_schema(parameters=[DEPLOYMENT_ID]),
+    revoke=extend_schema(parameters=[DEPLOYMENT_ID], request=None, responses=ApiKeySerializer),
+)
+class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """A deployment's API keys for its /v1 endpoint, newest first: each with its record of use
+    and its rate limit. Revoked keys stay listed. Another user's deployment answers 404."""
+
+    serializer_class = ApiKeySerializer
+    # A revoked key cannot be changed or revoked again, and a deployment that stopped takes no
+    # new keys: 409.
+    conflict_actions = ("create", "partial_update", "revoke")
+
+    def deployment(self) -> Deployment:
+        return get_object_or_404(owned(self, Deployment.objects.all()), pk=self.kwargs["deployment_id"])
+
+    def get_queryset(self) -> QuerySet[ApiKey]:
+        if getattr(self, "swagger_fake_view", False):
+            return ApiKey.objects.none()
+        return self.deployment().api_keys.all()
+
+    def create(self, request: Request, deployment_id: str) -> Response:
+        """Creates a key; the answer holds its secret, which is never shown again."""
         body = ApiKeySerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        key, raw = services.do_issue_key(deployment, body.validated_data.get("name", ""))
+        key, raw = services.do_issue_key(self.deployment(), **body.validated_data)
         return Response({**ApiKeySerializer(key).data, "key": raw}, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, deployment_id: str, pk: str) -> Response:
+        """Renames a key or changes its rate limit; every web process applies a new limit within
+        the key cache's 5 s."""
+        key = self.get_object()
+        body = ApiKeySerializer(key, data=request.data, partial=True)
+        body.is_valid(raise_exception=True)
+        key = services.do_change_key(key, **body.validated_data)
+        return Response(ApiKeySerializer(key).data)
+
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, deployment_id: str, pk: str) -> Response:
+        """Revokes a key: /v1 refuses it (401) in every web process within the key cache's 5 s.
+        The key stays listed with its record of use."""
+        key = services.do_revoke_key(self.get_object())
+        return Response(ApiKeySerializer(key).data)

@@ -41,14 +41,20 @@ def test_a_checkpoint_deployed_from_the_run_page_streams_its_answer_in_the_playg
     log_in(page, live_web.url, "alice", "alice-password-1")
     page.goto(f"{live_web.url}/runs/{run_id}")
     final = page.locator('#checkpoint-rows tr[data-step="8"]')
-    expect(final).not_to_contain_text("not exported", timeout=EXPORT_TIMEOUT_MS)
+    expect(final).to_have_attribute("data-state", "exported", timeout=EXPORT_TIMEOUT_MS)
 
-    final.get_by_role("button", name="Deploy").click()
+    final.get_by_role("button", name="Deploy…").click()  # asks for a name, replicas and options first
+    expect(page.get_by_label("Replicas")).to_have_value("1")
+    page.locator("#deploy-confirm").click()
     page.wait_for_url(f"{live_web.url}/deployments/*")
     deployment_id = int(page.url.rsplit("/", 1)[1])
     try:
         replica = page.locator('#replica-grid li[data-replica="0"]')
+        # While it starts, the page says for how long and what vLLM is doing, from its log.
+        expect(page.locator("#startup")).to_be_visible()
+        expect(page.locator("#startup-log")).to_contain_text("fathom: starting replica 0", timeout=REPLICA_TIMEOUT_MS)
         expect(replica).to_have_attribute("data-state", "ready", timeout=REPLICA_TIMEOUT_MS)
+        expect(page.locator("#startup")).to_be_hidden()
         expect(page.locator("#deployment-status")).to_have_attribute("data-status", "ready")
         expect(page.locator('#timeline li[data-kind="replica_ready"]')).to_contain_text("Replica 0 ready")
 
@@ -76,10 +82,13 @@ def test_a_checkpoint_deployed_from_the_run_page_streams_its_answer_in_the_playg
         )
         screenshot(page, "deployment-playground.png")
 
+        page.once("dialog", lambda dialog: dialog.accept())
         page.get_by_role("button", name="Stop").click()
         expect(page.locator("#deployment-status")).to_have_attribute(
             "data-status", "stopped", timeout=REPLICA_TIMEOUT_MS
         )
+        expect(replica).to_have_attribute("data-state", "stopped")
+        expect(page.get_by_role("button", name="Send")).to_be_disabled()
     finally:
         # Never leave a replica running past the test, whatever failed above.
         deployment = off_loop(lambda: Deployment.objects.get(pk=deployment_id))

@@ -107,6 +107,14 @@ def test_a_run_page_opened_before_the_run_starts_follows_it_to_succeeded_without
     page.get_by_label("log scale").check()
     expect(loss).to_have_attribute("data-scale", "log")
     expect(loss).to_have_attribute("data-points", "2")
+    # Hover is synced: the step under the cursor on the loss chart is the one every chart shows.
+    step_on = lambda chart: page.locator(f"#{chart} .u-legend .u-series").first.locator(".u-value")  # noqa: E731
+    expect(step_on("chart-lr")).to_have_text("30")  # unhovered: the latest point
+    box = loss.locator(".u-over").bounding_box()
+    page.mouse.move(box["x"] + 2, box["y"] + box["height"] / 2)
+    expect(step_on("chart-lr")).to_have_text("1")
+    expect(step_on("chart-tps")).to_have_text("1")
+    page.mouse.move(0, 0)
     agent.send("succeeded", {"step": 20})
     expect(badge).to_have_attribute("data-status", "succeeded")
     expect(page.locator("#live-state")).to_have_text("final")
@@ -211,6 +219,7 @@ def test_a_stopped_deployments_replicas_show_as_stopped_and_a_starting_one_shows
     assert rows == ["stopped", "stopped"]
     page.reload()  # and the same after a reload, from the rows
     expect(cards.nth(0)).to_have_attribute("data-state", "stopped")
+    expect(page.locator('#timeline li[data-kind="stopped"]')).to_be_visible()  # the history, replayed
     save_screens(page, "desktop-deployment-stopped.png")
     console.assert_clean()
 

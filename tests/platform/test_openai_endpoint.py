@@ -18,12 +18,21 @@ from asgiref.sync import async_to_sync
 from controlplane.asgi import application
 from deployments import openai_endpoint
 from deployments.models import ApiKey, Deployment
+from deployments.usage import USAGE
 from runs.models import Checkpoint, Run
 from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 
 # transaction=True: the app drops the database connection after each key lookup, as Django does
 # after a request, which a test wrapped in one transaction would not survive.
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def use_written_while_the_database_is_there(transactional_db):
+    """Writes the key use a test's requests left in this process's memory before its database
+    goes (otherwise the exit flush would meet a database that is gone)."""
+    yield
+    async_to_sync(USAGE.flush)()
 
 
 @pytest.fixture(scope="session")
@@ -154,13 +163,13 @@ def test_unknown_paths_and_wrong_methods_answer_in_openai_shape(keys):
 
 def test_a_burst_on_one_key_checks_it_once_and_lets_every_request_in(keys, monkeypatch):
     lookups = []
-    check = openai_endpoint._served_for_key
+    check = openai_endpoint._checked_key
 
     async def counted(raw, digest):
         lookups.append(raw)
         return await check(raw, digest)
 
-    monkeypatch.setattr(openai_endpoint, "_served_for_key", counted)
+    monkeypatch.setattr(openai_endpoint, "_checked_key", counted)
     headers = {"Authorization": f"Bearer {keys['alice']}"}
 
     async def burst() -> list[httpx.Response]:

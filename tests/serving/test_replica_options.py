@@ -82,6 +82,7 @@ W8A16 = {
         ("block_size", 48, "multiple of 32"),
         ("cpu_threads_bind", "first", "'auto', 'nobind' or core ids"),
         ("enable_prefix_caching", "yes", "true or false"),
+        ("tool_call_parser", "Hermes; rm -rf", "vLLM's tool parsers"),
     ],
 )
 def test_it_rejects_each_bad_value_naming_the_field_and_what_is_allowed(
@@ -91,6 +92,16 @@ def test_it_rejects_each_bad_value_naming_the_field_and_what_is_allowed(
     assert error.field == field
     assert allowed in error.message
     assert repr(value) in error.message
+
+
+def test_a_tool_call_parser_turns_on_vllms_tool_choice() -> None:
+    plain = replica_launch(ReplicaOptions(), "/ckpt", served_model_name="m", port=1, python="py", state_dir="/s").argv
+    assert "--tool-call-parser" not in plain
+    argv = replica_launch(
+        ReplicaOptions(tool_call_parser="hermes"), "/ckpt", served_model_name="m", port=1, python="py", state_dir="/s"
+    ).argv
+    assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
+    assert "--enable-auto-tool-choice" in argv
 
 
 def test_block_size_rules_follow_the_device() -> None:

@@ -14,7 +14,7 @@ const STEP_INCREMENTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4,
  * The container's `data-points` says how many x values the chart holds.
  */
 export class LineChart {
-  constructor(container, { series, time = false, height = 200, yRange, yLabel = "", format = formatNumber, smoothable = false }) {
+  constructor(container, { series, time = false, height = 200, yRange, yLabel = "", format = formatNumber, smoothable = false, syncKey = null }) {
     this.container = container;
     this.names = series;
     // With `smoothable`, each series gets a smoothed twin (an exponential moving average with
@@ -33,7 +33,8 @@ export class LineChart {
       height,
       scales: { x: { time }, y: yRange ? { range: yRange } : {} },
       legend: { live: true },
-      cursor: { drag: { x: false, y: false } },
+      // Charts of one page share a sync key: hovering one shows the same step on all of them.
+      cursor: { drag: { x: false, y: false }, ...(syncKey ? { sync: { key: syncKey } } : {}) },
       series: [
         { label: time ? "time" : "step", value: (u, v) => (v == null ? "–" : time ? new Date(v * 1000).toLocaleTimeString() : v) },
         ...series.map((label, i) => ({

@@ -128,10 +128,10 @@ function showError(box, exc) {
 // --- Live metrics and events -------------------------------------------------------------------
 
 const charts = {
-  tps: new LineChart($("chart-dtps"), { series: ["tokens/s"], time: true, yLabel: "tokens/s" }),
-  requests: new LineChart($("chart-requests"), { series: ["running", "waiting"], time: true, yLabel: "requests" }),
-  kv: new LineChart($("chart-kv"), { series: ["KV cache %"], time: true, yRange: [0, 100], yLabel: "% in use" }),
-  ttft: new LineChart($("chart-ttft"), { series: ["TTFT p50 (s)"], time: true, yLabel: "seconds" }),
+  tps: new LineChart($("chart-dtps"), { series: ["tokens/s"], time: true, yLabel: "tokens/s", syncKey: `deployment-${deployment.id}` }),
+  requests: new LineChart($("chart-requests"), { series: ["running", "waiting"], time: true, yLabel: "requests", syncKey: `deployment-${deployment.id}` }),
+  kv: new LineChart($("chart-kv"), { series: ["KV cache %"], time: true, yRange: [0, 100], yLabel: "% in use", syncKey: `deployment-${deployment.id}` }),
+  ttft: new LineChart($("chart-ttft"), { series: ["TTFT p50 (s)"], time: true, yLabel: "seconds", syncKey: `deployment-${deployment.id}` }),
 };
 // A metrics event may describe one replica (`replica` set) or the whole deployment; per-replica
 // samples are combined with the latest sample of every other replica.
@@ -258,36 +258,84 @@ every(STARTUP_LOG_MS, refreshStartup);
 
 // --- API keys ----------------------------------------------------------------------------------
 
-async function loadKeys() {
-  const keys = items(await api(`/api/deployments/${deployment.id}/keys/`));
-  $("key-list").replaceChildren(
-    ...keys.map((k) =>
-      h(
-        "li",
-        { class: k.revoked ? "muted" : "" },
-        h("code", {}, `${k.lookup}…`),
-        " ",
-        k.name || "unnamed",
-        h("span", { class: "muted" }, ` · created ${ago(k.created_at)}${k.last_used_at ? ` · used ${ago(k.last_used_at)}` : ""}`),
-      ),
+// How often the key list is read again: use is written in batches every couple of seconds.
+const KEYS_REFRESH_MS = 5000;
+const count = (n, one, many) => `${n.toLocaleString()} ${n === 1 ? one : many}`;
+
+function keyRow(k) {
+  const limit = k.rate_limit_per_minute ? `${k.rate_limit_per_minute.toLocaleString()} requests/min` : "no limit";
+  return h(
+    "li",
+    { class: `key-row${k.revoked ? " key-revoked" : ""}`, dataset: { key: k.id, prefix: k.prefix, revoked: String(k.revoked) } },
+    h(
+      "div",
+      { class: "key-head" },
+      h("code", {}, `${k.prefix}…`),
+      h("strong", {}, k.name || "unnamed"),
+      k.revoked
+        ? h("span", { class: "badge status-stopped" }, "revoked")
+        : h("button", { type: "button", class: "small secondary", "aria-label": `Revoke ${k.prefix}…`, onclick: () => revokeKey(k) }, "Revoke"),
+    ),
+    h(
+      "div",
+      { class: "muted key-use" },
+      h("span", { dataset: { use: "requests" } }, count(k.requests, "request", "requests")),
+      " · ",
+      h("span", { dataset: { use: "tokens" }, title: `${k.prompt_tokens} in, ${k.completion_tokens} out` }, count(k.tokens, "token", "tokens")),
+      " · ",
+      h("span", { dataset: { use: "limit" } }, limit),
+    ),
+    h(
+      "div",
+      { class: "muted key-use" },
+      "created ",
+      h("time", { datetime: k.created_at, dataset: { ago: "" } }, ago(k.created_at)),
+      " · last used ",
+      k.last_used_at ? h("time", { datetime: k.last_used_at, dataset: { ago: "", use: "last-used" } }, ago(k.last_used_at)) : h("span", { dataset: { use: "last-used" } }, "never"),
+      k.revoked_at ? [" · revoked ", h("time", { datetime: k.revoked_at, dataset: { ago: "" } }, ago(k.revoked_at))] : null,
     ),
   );
+}
+
+async function loadKeys() {
+  // Keys come in pages of 100 (newest first); a deployment rarely has more.
+  const page = await api(`/api/deployments/${deployment.id}/keys/?limit=100`);
+  const keys = items(page);
+  $("key-list").replaceChildren(...keys.map(keyRow));
+  $("key-none").hidden = keys.length > 0;
+  showError($("key-error"), null);
+}
+
+async function revokeKey(k) {
+  if (!confirm(`Revoke the key ${k.prefix}…${k.name ? ` (${k.name})` : ""}? Calls with it are refused within 5 s; this cannot be undone.`)) return;
+  try {
+    await api(`/api/deployments/${deployment.id}/keys/${k.id}/revoke/`, { method: "POST", json: {} });
+  } catch (exc) {
+    showError($("key-error"), exc);
+  }
+  await loadKeys();
 }
 
 $("key-form").addEventListener("submit", async (event) => {
   event.preventDefault();
   showError($("key-error"), null);
+  const body = { name: $("key-name").value.trim() };
+  const limit = $("key-rate-limit").value.trim();
+  if (limit) body.rate_limit_per_minute = Number(limit);
+  $("key-create").disabled = true;
   try {
-    const created = await api(`/api/deployments/${deployment.id}/keys/`, {
-      method: "POST",
-      json: { name: $("key-name").value.trim() },
-    });
+    const created = await api(`/api/deployments/${deployment.id}/keys/`, { method: "POST", json: body });
     $("new-key-value").textContent = created.key;
     $("new-key").hidden = false;
+    $("copy-key").textContent = "Copy";
     $("key-name").value = "";
+    $("key-rate-limit").value = "";
+    showCallExample(created.key);
     await loadKeys();
   } catch (exc) {
     showError($("key-error"), exc);
+  } finally {
+    $("key-create").disabled = false;
   }
 });
 
@@ -300,6 +348,24 @@ $("copy-key").addEventListener("click", async () => {
     getSelection().selectAllChildren($("new-key-value"));
   }
 });
+
+/** How to call the deployment from outside: this server's /v1, the model, and a key (the one
+ * just created, while the page still holds it). */
+function showCallExample(key = "fth-…") {
+  const baseUrl = `${location.origin}/v1`;
+  $("call-base-url").textContent = baseUrl;
+  $("call-example").textContent = [
+    "from openai import OpenAI",
+    `client = OpenAI(base_url="${baseUrl}", api_key="${key}")`,
+    `reply = client.chat.completions.create(model="${deployment.model}", messages=[{"role": "user", "content": "Hello"}])`,
+    "print(reply.choices[0].message.content)",
+  ].join("\n");
+  $("call-example-curl").textContent = [
+    `curl ${baseUrl}/chat/completions \\`,
+    `  -H "Authorization: Bearer ${key}" -H "Content-Type: application/json" \\`,
+    `  -d '{"model": "${deployment.model}", "messages": [{"role": "user", "content": "Hello"}]}'`,
+  ].join("\n");
+}
 
 // --- Playground --------------------------------------------------------------------------------
 
@@ -418,12 +484,7 @@ new LiveEvents(`/ws/deployments/${deployment.id}/`, onEvents, {
   onState: showLiveState,
   catchUp: eventsAfter,
 }).start();
-// How to call the deployment from outside: the base URL this page was served from and the model.
-$("call-example").textContent = [
-  "from openai import OpenAI",
-  `client = OpenAI(base_url="${location.origin}/v1", api_key="fth-…")  # a key created above`,
-  `reply = client.chat.completions.create(model="${deployment.model}", messages=[{"role": "user", "content": "Hello"}])`,
-  "print(reply.choices[0].message.content)",
-].join("\n");
+showCallExample();
 refresh();
 loadKeys().catch((exc) => showError($("key-error"), exc));
+every(KEYS_REFRESH_MS, loadKeys);

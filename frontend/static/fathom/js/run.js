@@ -21,10 +21,10 @@ const run = pageData("run-data");
 const $ = (id) => document.getElementById(id);
 
 const charts = {
-  loss: new LineChart($("chart-loss"), { series: ["loss"], yLabel: "nats/token", smoothable: true }),
-  lr: new LineChart($("chart-lr"), { series: ["lr"], yLabel: "learning rate" }),
-  tps: new LineChart($("chart-tps"), { series: ["tokens/s"], yLabel: "tokens/s", yRange: (u, min, max) => [0, Math.max(max, 1) * 1.1] }),
-  mfu: new LineChart($("chart-mfu"), { series: ["MFU %"], yLabel: "% of peak FLOPs", yRange: (u, min, max) => [0, Math.max(max, 0.01) * 1.1] }),
+  loss: new LineChart($("chart-loss"), { series: ["loss"], yLabel: "nats/token", smoothable: true, syncKey: `run-${run.id}` }),
+  lr: new LineChart($("chart-lr"), { series: ["lr"], yLabel: "learning rate", syncKey: `run-${run.id}` }),
+  tps: new LineChart($("chart-tps"), { series: ["tokens/s"], yLabel: "tokens/s", yRange: (u, min, max) => [0, Math.max(max, 1) * 1.1], syncKey: `run-${run.id}` }),
+  mfu: new LineChart($("chart-mfu"), { series: ["MFU %"], yLabel: "% of peak FLOPs", yRange: (u, min, max) => [0, Math.max(max, 0.01) * 1.1], syncKey: `run-${run.id}` }),
 };
 $("loss-smoothing").addEventListener("input", (event) => {
   const weight = Number(event.target.value);

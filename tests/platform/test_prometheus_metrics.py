@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -21,7 +22,9 @@ from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 from rest_framework.authtoken.models import Token
 
-from runs.models import Run
+from deployments.models import ApiKey, Deployment
+from runs.models import Checkpoint, Run
+from runs.tasks import export_checkpoint
 from tests.platform.conftest import WebServer, free_port
 
 TOKEN = "operator-metrics-token"
@@ -192,3 +195,32 @@ def test_two_web_processes_are_added_up_and_a_killed_ones_clients_drop(alice, mo
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_failed_task_and_a_deployment_without_replicas_count_as_errors(alice, web, celery_worker):
+    run = Run.objects.create(owner=alice, name="served", spec={})
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    deployment = Deployment.objects.create(
+        owner=alice, name="gone", checkpoint=checkpoint, served_model_name="gone", status=Deployment.Status.READY
+    )  # ready in the database, but no replica answers
+    key = ApiKey.issue(deployment)[1]
+    before = scrape(web)
+
+    chat = {"model": "gone", "messages": [{"role": "user", "content": "hi"}]}
+    answer = httpx.post(f"{web.url}/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 503, answer.text
+    export_checkpoint.delay(checkpoint.pk + 1000)  # no such checkpoint: the task raises
+
+    failures = value(before, "fathom_task_failures_total", task="runs.tasks.export_checkpoint")
+    after = scrape_until(
+        web, lambda s: value(s, "fathom_task_failures_total", task="runs.tasks.export_checkpoint") == failures + 1,
+        60, "the worker's failed task",
+    )  # fmt: skip
+    unavailable = {"deployment": "gone", "endpoint": "chat", "status": "503"}
+    assert value(after, "fathom_v1_requests_total", **unavailable) == value(before, "fathom_v1_requests_total", **unavailable) + 1
+    errors = value(before, "fathom_http_errors_total", where="v1", status="503")
+    assert value(after, "fathom_http_errors_total", where="v1", status="503") == errors + 1
+    # The worker logs as JSON too (FATHOM_LOG_FORMAT=json), the task's traceback inside its line.
+    assert celery_worker.log.exists()
+    records = [json.loads(line) for line in celery_worker.log.read_text().splitlines() if line.strip()]
+    assert any("Traceback" in r.get("exception", "") for r in records if r["level"] == "ERROR")
