@@ -24,7 +24,7 @@ from rest_framework.authtoken.models import Token
 
 from controlplane.asgi import application
 from controlplane.web import web_command
-from deployments import openai as endpoint
+from deployments import openai_endpoint as endpoint
 from deployments.models import ApiKey, Deployment
 from deployments.usage import FLUSH_S, USAGE
 from runs.models import Checkpoint, Run
