@@ -140,22 +140,26 @@ def test_another_users_deployment_and_keys_are_404(alice, alice_api, bob_api):
 # --- Use: counted in memory, written in batches ------------------------------------------------
 
 
-def test_a_burst_of_100_requests_on_one_key_is_written_as_one_update(alice):
+def test_a_burst_of_100_chats_on_one_key_is_written_as_one_update(alice):
     deployment = deployment_of(alice)
     key, raw = ApiKey.issue(deployment)
     headers = {"Authorization": f"Bearer {raw}"}
+    chat = {"model": "alice-model", "messages": [{"role": "user", "content": "hi"}]}
 
     async def burst() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=application)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-            return await asyncio.gather(*(client.get("/v1/models", headers=headers) for _ in range(100)))
+            return await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=chat, headers=headers) for _ in range(100))
+            )
 
     # async_to_sync runs the app's database calls on this thread, so its connection sees them all.
     with CaptureQueriesContext(connection) as queries:
         responses = async_to_sync(burst)()
         writes_during_burst = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
         async_to_sync(USAGE.flush)()
-    assert [r.status_code for r in responses] == [200] * 100
+    # Let in, then answered 503: this deployment has no live replica.
+    assert [r.status_code for r in responses] == [503] * 100
     assert writes_during_burst == []  # nothing waits on the database while requests are answered
     updates = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
     assert len(updates) == 1, updates
