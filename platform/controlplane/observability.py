@@ -199,9 +199,13 @@ V1_TTFT = Histogram(
     "fathom_v1_time_to_first_token_seconds", "Time from a streamed /v1 request's arrival to the first "
     "piece of its answer leaving Fathom.", ["deployment"], buckets=TTFT_BUCKETS, registry=None,
 )  # fmt: skip
+# The scope key under which the /v1 app reports an answer's usage: a list the observer puts in the
+# scope before the app runs (a list, so that routers that copy the scope still share it), to
+# which the app appends (prompt_tokens, completion_tokens).
+V1_USAGE = "fathom.v1_usage"
 V1_TOKENS = Counter(
-    "fathom_v1_tokens", "Tokens of /v1 requests as their answers' usage reports them (streamed answers "
-    "report usage when asked with stream_options.include_usage), by kind: prompt or completion.",
+    "fathom_v1_tokens", "Tokens of /v1 requests as vLLM reported them for each answer (streamed answers "
+    "included, whether or not the client asked for usage), by kind: prompt or completion.",
     ["deployment", "kind"], registry=None,
 )  # fmt: skip
 HTTP_ERRORS = Counter(

@@ -2,8 +2,9 @@
 
 `observe_http` wraps all HTTP: it gives each request its id (observability_logs) and returns it
 as `X-Request-Id`, counts 5xx answers, and, for the OpenAI endpoint under `/v1/`, counts requests,
-times them and their first answer byte (time to first token, for streamed answers), and reads
-the token usage an answer reports. `count_websockets` keeps the open websocket count.
+times them and their first answer byte (time to first token, for streamed answers), and counts
+the tokens vLLM reported for the answer, which the /v1 app leaves in the scope (`V1_USAGE`): the
+client may not have asked to see them. `count_websockets` keeps the open websocket count.
 
 They sit outside the apps they wrap (controlplane/asgi.py): the /v1 app and its router stay
 free of metrics, and what is measured is what the client gets. Per relayed chunk of a stream the
@@ -22,7 +23,15 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 
-from controlplane.observability import HTTP_ERRORS, V1_DURATION, V1_REQUESTS, V1_TOKENS, V1_TTFT, WEBSOCKET_CLIENTS
+from controlplane.observability import (
+    HTTP_ERRORS,
+    V1_DURATION,
+    V1_REQUESTS,
+    V1_TOKENS,
+    V1_TTFT,
+    V1_USAGE,
+    WEBSOCKET_CLIENTS,
+)
 from controlplane.observability_logs import REQUEST_ID, request_id_from
 from serving.openai_requests import ENDPOINTS
 
@@ -35,15 +44,9 @@ App = Callable[[Any, Any, Any], Awaitable[None]]
 
 log = logging.getLogger("fathom.v1")
 
-# The end of an answer searched for its usage: OpenAI's shape puts it last (a non-streamed
-# body's last field; a stream's last event before [DONE]), and it is a few hundred bytes.
-TAIL_BYTES = 4096
 # The start of an answer searched for its model: the first fields of a body or first event.
 HEAD_BYTES = 2048
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,200})"')
-_USAGE = re.compile(rb'"usage"\s*:\s*\{')
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 # How often the served model names are read again when an answer names one not yet known.
 NAMES_REFRESH_S = 5.0
 
@@ -93,8 +96,7 @@ class _V1Exchange:
         self.streamed = False
         self.first_byte_at: float | None = None
         self.head = b""
-        self.before_last = b""
-        self.last = b""
+        self.usage: list[tuple[int, int]] = []  # V1_USAGE
 
     def response_started(self, message: Message) -> None:
         self.status = int(message["status"])
@@ -107,13 +109,6 @@ class _V1Exchange:
         if self.first_byte_at is None:
             self.first_byte_at = time.perf_counter()
             self.head = body[:HEAD_BYTES]
-        # The last two pieces, not copied: the router relays whole events, so the usage event
-        # (or a whole answer's end) is in them.
-        self.before_last, self.last = self.last, body
-
-    @property
-    def tail(self) -> bytes:
-        return (self.before_last + self.last)[-TAIL_BYTES:]
 
     async def record(self, failed: bool) -> dict[str, Any]:
         """Counts the exchange; returns what the log line says about it."""
@@ -130,14 +125,11 @@ class _V1Exchange:
         if self.streamed and self.status == 200 and self.first_byte_at is not None:
             V1_TTFT.labels(deployment).observe(self.first_byte_at - self.arrived)
             facts["ttft_s"] = round(self.first_byte_at - self.arrived, 4)
-        tail = self.tail
-        usage = list(_USAGE.finditer(tail))
-        if self.status == 200 and usage:
-            rest = tail[usage[-1].end() :]
-            for kind, pattern in (("prompt", _PROMPT_TOKENS), ("completion", _COMPLETION_TOKENS)):
-                if found := pattern.search(rest):
-                    V1_TOKENS.labels(deployment, kind).inc(int(found.group(1)))
-                    facts[f"{kind}_tokens"] = int(found.group(1))
+        if self.status == 200 and self.usage:
+            prompt_tokens, completion_tokens = self.usage[-1]
+            V1_TOKENS.labels(deployment, "prompt").inc(prompt_tokens)
+            V1_TOKENS.labels(deployment, "completion").inc(completion_tokens)
+            facts.update(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         return facts
 
 
@@ -149,6 +141,8 @@ def observe_http(app: App) -> App:
         reset = REQUEST_ID.set(request_id)
         path = scope["path"]
         exchange = _V1Exchange(path) if path.startswith("/v1/") else None
+        if exchange is not None:
+            scope[V1_USAGE] = exchange.usage
         status = 0
 
         async def observed_send(message: Message) -> None:

@@ -27,6 +27,7 @@ from channels.db import database_sync_to_async
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.views.decorators.http import require_POST
 
+from controlplane.observability import V1_USAGE
 from deployments.models import ApiKey, Deployment
 from deployments.ratelimit import Limiter, limiter_for_settings
 from deployments.usage import USAGE
@@ -268,8 +269,10 @@ async def openai_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         else:
             await send_json(send, 200, answer)
     finally:
+        usage = answer.usage if isinstance(answer, ProxyResponse) else None
+        if usage is not None and V1_USAGE in scope:  # for /metrics, whether the client saw it or not
+            scope[V1_USAGE].append((usage.prompt_tokens, usage.completion_tokens))
         if checked is not None:  # every request a valid key made counts, refused ones included
-            usage = answer.usage if isinstance(answer, ProxyResponse) else None
             USAGE.record(
                 checked.key_id,
                 usage.prompt_tokens if usage else 0,

@@ -49,24 +49,31 @@ def test_v1_requests_ttft_tokens_and_replicas_per_deployment(alice, web, celery_
         )  # fmt: skip
         streamed_usage = chunks[-1].usage
         assert whole.usage is not None and streamed_usage is not None
+        # A stream whose client does not ask for usage: vLLM still reports it to the router, and
+        # /metrics counts it (greedy, the same prompt: the same tokens as the whole answer).
+        unasked = list(chat.create(model="metered", messages=messages, max_tokens=8, temperature=0, stream=True))
+        assert all(chunk.usage is None for chunk in unasked)
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in unasked if c.choices) == whole.choices[0].message.content
+        )
 
         ok = {"deployment": "metered", "endpoint": "chat", "status": "200"}
         kv_cache = ("fathom_deployment_kv_cache_usage_ratio", frozenset({("deployment", "metered")}))
         # A request is counted as its answer ends, and serving figures arrive with the next sync.
         requests = value(before, "fathom_v1_requests_total", **ok)
         after = scrape_until(
-            web, lambda s: kv_cache in s and value(s, "fathom_v1_requests_total", **ok) == requests + 2,
-            30, "both chats counted and the deployment's serving figures",
+            web, lambda s: kv_cache in s and value(s, "fathom_v1_requests_total", **ok) == requests + 3,
+            30, "the three chats counted and the deployment's serving figures",
         )  # fmt: skip
         ttft_count = "fathom_v1_time_to_first_token_seconds_count"
-        assert value(after, ttft_count, deployment="metered") == value(before, ttft_count, deployment="metered") + 1
+        assert value(after, ttft_count, deployment="metered") == value(before, ttft_count, deployment="metered") + 2
         ttft = value(after, "fathom_v1_time_to_first_token_seconds_sum", deployment="metered") - value(
             before, "fathom_v1_time_to_first_token_seconds_sum", deployment="metered"
         )
         assert 0 < ttft < 60
         for kind, used in (
-            ("prompt", whole.usage.prompt_tokens + streamed_usage.prompt_tokens),
-            ("completion", whole.usage.completion_tokens + streamed_usage.completion_tokens),
+            ("prompt", 2 * whole.usage.prompt_tokens + streamed_usage.prompt_tokens),
+            ("completion", 2 * whole.usage.completion_tokens + streamed_usage.completion_tokens),
         ):
             grown = value(after, "fathom_v1_tokens_total", deployment="metered", kind=kind) - value(
                 before, "fathom_v1_tokens_total", deployment="metered", kind=kind
