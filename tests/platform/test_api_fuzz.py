@@ -49,6 +49,7 @@ def test_the_api_answers_every_generated_request_as_its_schema_says(alice, live_
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     report = result.stdout + result.stderr
+    print(report[-3000:])  # schemathesis' summary, for `pytest -s`
     assert result.returncode == 0, report[-20000:]
     selected = re.search(r"Operations:\s+(\d+) selected / (\d+) total", report)
     assert selected and selected.group(1) == selected.group(2), report[-5000:]
