@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from playwright.sync_api import Page, WebSocket, expect
+from playwright.sync_api import Page, Route, WebSocket, expect
 
 from runs import services
 from runs.models import Run
@@ -131,8 +131,22 @@ def test_cancel_resume_and_clone_act_on_the_run_and_the_buttons_follow_its_statu
     expect(resume).to_be_hidden()
     expect(cancel).to_be_visible()
 
-    page.get_by_role("link", name="Clone…").click()  # the launch form, filled in from the run
-    page.get_by_role("button", name="Launch run").click()
+    # The launch form, filled in from the run. Launch waits for the source run's values: clicked
+    # before they were in, it launched the recipe's defaults (a run named "run", seen on a loaded
+    # CI box). The source run's answer is held back here to look at the form meanwhile.
+    held: list[Route] = []
+    page.route(f"**/api/runs/{run.pk}/", lambda route: held.append(route))
+    page.get_by_role("link", name="Clone…").click()
+    launch = page.get_by_role("button", name="Launch run")
+    for _ in range(200):
+        if held:
+            break
+        page.wait_for_timeout(50)
+    expect(launch).to_be_disabled()
+    held[0].continue_()
+    expect(page.get_by_label("Name", exact=True)).to_have_value("steered (clone)")
+    expect(launch).to_be_enabled()
+    launch.click()
     expect(page.get_by_role("heading", name="steered (clone)")).to_be_visible()
     clone = off_loop(lambda: Run.objects.get(name="steered (clone)"))
     assert page.url == f"{live_web.url}/runs/{clone.pk}"

@@ -290,4 +290,14 @@ showRecipeDefaults();
 const datasetsLoaded = loadDatasets().catch((exc) => showErrors({ dataset: [`could not list datasets: ${exc.message}`] }));
 const tokenizersLoaded = loadTokenizerRuns().catch((exc) => showErrors({ tokenizer_run: [`could not list runs: ${exc.message}`] }));
 const cloneOf = new URLSearchParams(location.search).get("from");
-if (cloneOf) prefillFrom(cloneOf).catch((exc) => showErrors([{ path: "", message: `could not read run ${cloneOf}: ${exc.message}` }]));
+if (cloneOf) {
+  // Until the source run's values are in, Launch would start a run from the recipe's defaults.
+  launchButton.disabled = true;
+  form.setAttribute("aria-busy", "true");
+  prefillFrom(cloneOf)
+    .catch((exc) => showErrors([{ path: "", message: `could not read run ${cloneOf}: ${exc.message}` }]))
+    .finally(() => {
+      launchButton.disabled = false;
+      form.removeAttribute("aria-busy");
+    });
+}
