@@ -138,10 +138,11 @@ def test_cancel_resume_and_clone_act_on_the_run_and_the_buttons_follow_its_statu
     page.route(f"**/api/runs/{run.pk}/", lambda route: held.append(route))
     page.get_by_role("link", name="Clone…").click()
     launch = page.get_by_role("button", name="Launch run")
-    for _ in range(200):
+    for _ in range(600):  # up to 30 s for the form page to ask (a loaded CI box is slow)
         if held:
             break
         page.wait_for_timeout(50)
+    assert held, "the clone form never asked for its source run"
     expect(launch).to_be_disabled()
     held[0].continue_()
     expect(page.get_by_label("Name", exact=True)).to_have_value("steered (clone)")
