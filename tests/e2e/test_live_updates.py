@@ -135,7 +135,11 @@ def test_cancel_resume_and_clone_act_on_the_run_and_the_buttons_follow_its_statu
     # before they were in, it launched the recipe's defaults (a run named "run", seen on a loaded
     # CI box). The source run's answer is held back here to look at the form meanwhile.
     held: list[Route] = []
-    page.route(f"**/api/runs/{run.pk}/", lambda route: held.append(route))
+    # Only the form's request: the run page itself reads the same URL while it is still open.
+    page.route(
+        f"**/api/runs/{run.pk}/",
+        lambda route: held.append(route) if "/runs/new" in route.request.frame.url else route.continue_(),
+    )
     page.get_by_role("link", name="Clone…").click()
     launch = page.get_by_role("button", name="Launch run")
     for _ in range(600):  # up to 30 s for the form page to ask (a loaded CI box is slow)
