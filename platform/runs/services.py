@@ -10,7 +10,9 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import secrets
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -19,7 +21,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Max
 from django.utils import timezone
 from tokenizers import Tokenizer
 
@@ -317,6 +319,66 @@ _MOVES_FROM = {
 }
 
 
+# What an agent's batch may hold (the API schema says the same: runs.serializers.IngestSerializer).
+SOURCE_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_BATCH_EVENTS = 10000
+MAX_KIND_LENGTH = 32
+
+
+def check_ingest_batch(body: Any) -> tuple[str, list[dict[str, Any]]]:
+    """An agent's batch `{"source", "events": [{"seq", "kind", "time"?, "data"?}]}`, checked in
+    one pass: the source and the events, each with `seq`, `kind` (stripped), `time` (None when
+    absent) and `data`. The first bad value raises, naming it as `events.3.kind`.
+
+    Plain checks, not a serializer per event: at 1,000 points/s a DRF field per value was a
+    tenth of the ingest's time, and this runs before any database work.
+    """
+    if not isinstance(body, dict):
+        raise InvalidInput("non_field_errors", 'must be an object {"source": ..., "events": [...]}')
+    source = body.get("source")
+    if source is None:
+        raise InvalidInput("source", "This field is required.")
+    if not isinstance(source, str) or not SOURCE_PATTERN.fullmatch(source):
+        raise InvalidInput("source", "must be 1 to 64 letters, digits or _ . : - (the sender, e.g. node-0)")
+    raw_events = body.get("events")
+    if raw_events is None:
+        raise InvalidInput("events", "This field is required.")
+    if not isinstance(raw_events, list):
+        raise InvalidInput("events", "must be a list of events")
+    if len(raw_events) > MAX_BATCH_EVENTS:
+        raise InvalidInput("events", f"holds {len(raw_events)} events; at most {MAX_BATCH_EVENTS} per batch")
+    events: list[dict[str, Any]] = []
+    for index, raw in enumerate(raw_events):
+        field = f"events.{index}"
+        if not isinstance(raw, dict):
+            raise InvalidInput(field, "must be an object with seq, kind, time and data")
+        seq = raw.get("seq")
+        if seq is None:
+            raise InvalidInput(f"{field}.seq", "This field is required.")
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise InvalidInput(f"{field}.seq", "A valid integer is required.")
+        if seq < 1:
+            raise InvalidInput(f"{field}.seq", "Ensure this value is greater than or equal to 1.")
+        kind = raw.get("kind")
+        if kind is None:
+            raise InvalidInput(f"{field}.kind", "This field is required.")
+        if not isinstance(kind, str) or not kind.strip():
+            raise InvalidInput(f"{field}.kind", "must be a non-empty string")
+        kind = kind.strip()
+        if len(kind) > MAX_KIND_LENGTH:
+            raise InvalidInput(f"{field}.kind", f"Ensure this field has no more than {MAX_KIND_LENGTH} characters.")
+        when = raw.get("time")
+        if when is not None and (
+            not isinstance(when, (int, float)) or isinstance(when, bool) or not math.isfinite(when)
+        ):
+            raise InvalidInput(f"{field}.time", "must be a finite number (seconds since the epoch)")
+        data = raw.get("data", {})
+        if not isinstance(data, dict):
+            raise InvalidInput(f"{field}.data", "must be an object")
+        events.append({"seq": seq, "kind": kind, "time": when, "data": data})
+    return source, events
+
+
 def _event_time(value: Any) -> datetime:
     if isinstance(value, (int, float)):
         return datetime.fromtimestamp(value, tz=UTC)
@@ -345,20 +407,37 @@ def do_record_event(run: Run, kind: str, data: dict[str, Any]) -> RunEvent:
 def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int:
     """Stores an agent's batch (duplicates ignored), applies it to the run, publishes after commit.
 
-    Returns the highest `source_seq` held from this source, which the agent takes as its ack.
+    `events` as `check_ingest_batch` returns them. Returns the highest `source_seq` held from
+    this source, which the agent takes as its ack.
+
+    A batch costs a fixed handful of statements whatever its size (the row lock, the source's
+    highest seq, one INSERT, one UPDATE of the run), and one channel message: at 1,000 points/s
+    the ingest's time per batch, not per event, is what a point waits for.
     """
     with transaction.atomic():
-        held = set(
-            RunEvent.objects.filter(
-                run=run, source=source, source_seq__in=[e["seq"] for e in events]
-            ).values_list("source_seq", flat=True)
+        # The run's row is locked first: two posts of one source (a retry racing the request it
+        # repeats) are serialised, and what is read here holds until commit (on SQLite the
+        # IMMEDIATE transaction serialises writers instead).
+        row = (
+            Run.objects.select_for_update()
+            .values("last_seq", "status", "started_at", "node_reports", "silent_nodes")
+            .get(pk=run.pk)
         )
+        held_up_to = int(RunEvent.objects.filter(run=run, source=source).aggregate(top=Max("source_seq"))["top"] or 0)
+        # Only a redelivery holds seqs at or below the source's highest: ask which, then.
+        repeated = [e["seq"] for e in events if e["seq"] <= held_up_to]
+        held: set[int] = set()
+        if repeated:
+            stored_again = RunEvent.objects.filter(run=run, source=source, source_seq__in=repeated)
+            held.update(stored_again.values_list("source_seq", flat=True))
         fresh = sorted((e for e in events if e["seq"] not in held), key=lambda e: e["seq"])
         # A batch may repeat a seq within itself when a reporter retried mid-write.
         unique = list({e["seq"]: e for e in fresh}.values())
+        changes: dict[str, Any] = {}
         stored: list[RunEvent] = []
+        status = None
         if unique:
-            first = reserve_seqs(Run, run.pk, len(unique))
+            first = int(row["last_seq"]) + 1
             stored = RunEvent.objects.bulk_create(
                 RunEvent(
                     run=run,
@@ -371,21 +450,42 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
                 )
                 for i, e in enumerate(unique)
             )
+            changes["last_seq"] = first + len(stored) - 1
             observability.count_ingested(len(stored))  # counted once the batch commits
-            stored += _apply(run, stored)
-        stored += _note_report(run, source)
-        last = (
-            RunEvent.objects.filter(run=run, source=source).order_by("-source_seq").values_list("source_seq", flat=True).first()
-        )
+            status = _changes_from_events(run, stored, changes)
+        moved = status is not None and row["status"] in _MOVES_FROM[status]
+        if moved:
+            now = timezone.now()
+            changes["status"] = status
+            if status in Run.FINISHED:
+                changes["finished_at"] = now
+            if status == Run.Status.RUNNING and row["started_at"] is None:
+                changes["started_at"] = now
+        back_after = _note_report(source, row["node_reports"], row["silent_nodes"], changes)
+        if changes:
+            Run.objects.filter(pk=run.pk).update(**changes)
+        # The control plane's own events follow the batch that caused them, in this order.
+        if moved:
+            # Every status change is an event, so a page that follows the events shows it.
+            reason = changes.get("status_reason", "")
+            stored.append(_record(run, "status", {"status": status, "reason": reason}, publish=False))
+        if status == Run.Status.SUCCEEDED:
+            # The final checkpoint is exported to Hugging Face format as soon as the run succeeds.
+            final = Checkpoint.objects.filter(run=run).order_by("-step").first()
+            if final is not None:
+                enqueue_on_commit("runs.tasks.export_checkpoint", final.pk)
+        if any(e.kind == "checkpoint" for e in stored) or status in Run.FINISHED:
+            stored += _mark_pruned(run)
+        if back_after is not None:
+            stored.append(_record(run, "node_reporting", {"node": source, "silent_s": back_after}, publish=False))
         publish_on_commit(run_group(run.pk), [e.as_message() for e in stored])
-    return int(last or 0)
+    return max([held_up_to, *(e["seq"] for e in unique)])
 
 
-def _apply(run: Run, events: list[RunEvent]) -> list[RunEvent]:
-    """Applies an agent's events to the run's row; returns the control plane's own events that
-    follow from them (a status change, pruned checkpoints), for the caller to publish in order."""
-    changes: dict[str, Any] = {"last_report_at": timezone.now()}
-    consequences: list[RunEvent] = []
+def _changes_from_events(run: Run, events: list[RunEvent], changes: dict[str, Any]) -> str | None:
+    """Adds to `changes` (columns of the run's row) what an agent's events say; records the
+    checkpoints they report. Returns the status the last status-moving event asks for, if any."""
+    changes["last_report_at"] = timezone.now()
     status = None
     restarts = 0
     for event in events:
@@ -403,24 +503,7 @@ def _apply(run: Run, events: list[RunEvent]) -> list[RunEvent]:
         status = _STATUS_BY_KIND.get(event.kind, status)
     if restarts:
         changes["restarts"] = F("restarts") + restarts
-    Run.objects.filter(pk=run.pk).update(**changes)
-    if status == Run.Status.SUCCEEDED:
-        # The final checkpoint is exported to Hugging Face format as soon as the run succeeds.
-        final = Checkpoint.objects.filter(run=run).order_by("-step").first()
-        if final is not None:
-            enqueue_on_commit("runs.tasks.export_checkpoint", final.pk)
-    if status is not None:
-        now = timezone.now()
-        extra: dict[str, Any] = {"finished_at": now} if status in Run.FINISHED else {}
-        if status == Run.Status.RUNNING and run.started_at is None:
-            extra["started_at"] = now
-        if Run.objects.filter(pk=run.pk, status__in=_MOVES_FROM[status]).update(status=status, **extra):
-            # Every status change is an event, so a page that follows the events shows it.
-            reason = changes.get("status_reason", "")
-            consequences.append(_record(run, "status", {"status": status, "reason": reason}, publish=False))
-    if any(e.kind == "checkpoint" for e in events) or status in Run.FINISHED:
-        consequences += _mark_pruned(run)
-    return consequences
+    return status
 
 
 def _mark_pruned(run: Run) -> list[RunEvent]:
@@ -438,20 +521,18 @@ def _mark_pruned(run: Run) -> list[RunEvent]:
     return pruned
 
 
-def _note_report(run: Run, source: str) -> list[RunEvent]:
-    """Keeps when each node agent last posted; a silent one that posts again is reported back."""
+def _note_report(source: str, reports: dict[str, Any], silent: list[str], changes: dict[str, Any]) -> float | None:
+    """Keeps when each node agent last posted (into `changes`, from the locked row's values); a
+    silent one that posts again is reported back: returns how long it was quiet, then."""
     if not source.startswith("node-"):
-        return []
-    reports, silent = Run.objects.select_for_update().values_list("node_reports", "silent_nodes").get(pk=run.pk)
+        return None
     now = timezone.now().timestamp()
     quiet = now - float(reports.get(source, now))
-    changes: dict[str, Any] = {"node_reports": {**reports, source: now}}
-    back: list[RunEvent] = []
-    if source in silent:
-        changes["silent_nodes"] = [s for s in silent if s != source]
-        back.append(_record(run, "node_reporting", {"node": source, "silent_s": round(quiet, 1)}, publish=False))
-    Run.objects.filter(pk=run.pk).update(**changes)
-    return back
+    changes["node_reports"] = {**reports, source: now}
+    if source not in silent:
+        return None
+    changes["silent_nodes"] = [s for s in silent if s != source]
+    return round(quiet, 1)
 
 
 def do_mark_silent_nodes(run: Run, silent_after: float) -> list[str]:
