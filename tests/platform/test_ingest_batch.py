@@ -1,0 +1,120 @@
+"""An agent's batch through `POST /api/runs/<id>/events/`: stored whole or not at all, numbered
+without gaps, and published to the run's followers as one message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+from runs import services
+from runs.models import Run, RunEvent
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def run(alice) -> Run:
+    return Run.objects.create(
+        owner=alice, name="r", spec={}, status=Run.Status.RUNNING, token_hash=services.hash_token("agent-token")
+    )
+
+
+def metrics(seqs) -> list[dict]:
+    return [{"seq": s, "kind": "metrics", "time": 1.0e9 + s, "data": {"step": s, "loss": 5.0 - s / 100}} for s in seqs]
+
+
+def ingest(client, run: Run, body) -> object:
+    return client.post(
+        f"/api/runs/{run.pk}/events/",
+        data=json.dumps(body),
+        content_type="application/json",
+        HTTP_AUTHORIZATION="Bearer agent-token",
+    )
+
+
+def follow(run: Run) -> tuple[object, str]:
+    """A channel in the run's group, as a websocket consumer joins it."""
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(services.run_group(run.pk), channel)
+    return layer, channel
+
+
+def test_a_batch_is_stored_with_contiguous_seqs_and_reaches_followers_as_one_message(
+    client, alice_api, run, django_capture_on_commit_callbacks
+):
+    layer, channel = follow(run)
+    with django_capture_on_commit_callbacks(execute=True):
+        first = ingest(client, run, {"source": "node-0", "events": metrics(range(1, 251))})
+    assert first.status_code == 200, first.content
+    assert first.json() == {"last_seq": 250}
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest(client, run, {"source": "node-0", "events": metrics(range(251, 261))})
+
+    async def two_messages() -> list[dict]:  # one event loop: channels-redis keeps its reader per loop
+        return [await layer.receive(channel), await layer.receive(channel)]
+
+    message, following = async_to_sync(two_messages)()
+    assert message["type"] == "stream.events"
+    assert [e["seq"] for e in message["events"]] == list(range(1, 251))
+    assert message["events"][0] == {
+        "seq": 1, "kind": "metrics", "time": 1.0e9 + 1, "source": "node-0", "step": 1, "loss": 4.99,
+    }  # fmt: skip
+    # Had the first batch been split, the rest of it would come before the second batch.
+    assert [e["seq"] for e in following["events"]] == list(range(251, 261))
+
+    history = alice_api.get(f"/api/runs/{run.pk}/events/").json()
+    assert [e["seq"] for e in history] == list(range(1, 261))
+    assert [e["source_seq"] for e in history] == list(range(1, 261))
+    shown = alice_api.get(f"/api/runs/{run.pk}/").json()
+    assert (shown["step"], shown["last_loss"]) == (260, 2.4)
+
+
+def test_a_redelivered_batch_overlapping_the_stored_one_adds_only_what_is_new(client, run):
+    assert ingest(client, run, {"source": "node-0", "events": metrics([1, 2, 3])}).json() == {"last_seq": 3}
+    again = ingest(client, run, {"source": "node-0", "events": metrics([2, 3, 4, 4, 5])})
+    assert again.json() == {"last_seq": 5}
+    assert ingest(client, run, {"source": "node-0", "events": metrics([1, 2])}).json() == {"last_seq": 5}
+    assert list(run.events.order_by("seq").values_list("seq", "source_seq")) == [(i, i) for i in range(1, 6)]
+
+
+BAD_EVENTS = [
+    ({"seq": 4, "kind": ""}, "kind", "non-empty"),
+    ({"seq": 4, "kind": "k" * 33}, "kind", "no more than 32"),
+    ({"seq": 4, "kind": 7}, "kind", "string"),
+    ({"seq": 4}, "kind", "required"),
+    ({"seq": "4", "kind": "metrics"}, "seq", "integer"),
+    ({"seq": 0, "kind": "metrics"}, "seq", "greater than or equal to 1"),
+    ({"seq": 4, "kind": "metrics", "time": "now"}, "time", "number"),
+    ({"seq": 4, "kind": "metrics", "data": [1]}, "data", "object"),
+]
+
+
+@pytest.mark.parametrize(("bad", "field", "message"), BAD_EVENTS)
+def test_a_bad_event_in_a_batch_is_named_and_nothing_of_the_batch_is_stored(client, run, bad, field, message):
+    events = [*metrics([1, 2, 3]), bad, *metrics([5])]
+    response = ingest(client, run, {"source": "node-0", "events": events})
+    assert response.status_code == 400, response.content
+    assert message in response.json()["events"]["3"][field][0]
+    assert not RunEvent.objects.filter(run=run).exists()
+    assert Run.objects.get(pk=run.pk).last_seq == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"events": []}, "source"),
+        ({"source": "node 0", "events": []}, "source"),
+        ({"source": "node-0\n", "events": []}, "source"),
+        ({"source": "node-0"}, "events"),
+        ({"source": "node-0", "events": {"seq": 1}}, "events"),
+        ([], "non_field_errors"),
+    ],
+)
+def test_a_malformed_batch_names_the_field(client, run, body, field):
+    response = ingest(client, run, body)
+    assert response.status_code == 400, response.content
+    assert field in response.json()
