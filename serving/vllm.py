@@ -203,7 +203,12 @@ class CheckpointInfo:
             "checkpoint",
             f"{path} has no tokenizer (tokenizer.json or tokenizer.model)",
         )
-        config = json.loads(config_file.read_text())
+        return cls.from_config(json.loads(config_file.read_text()), path)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], path: str | Path) -> CheckpointInfo:
+        """From a checkpoint's config.json, as a dict (one that is not written yet, too)."""
+        path = Path(path)
         text = config.get("text_config", config)  # multimodal configs nest the language model
         hidden = int(text.get("hidden_size", 0))
         heads = int(text.get("num_attention_heads", 1))

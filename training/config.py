@@ -378,6 +378,31 @@ class RunSpec:
         return cls.from_dict(json.loads(text))
 
 
+@dataclass(frozen=True, kw_only=True)
+class NodePlan:
+    """What a node agent takes from a run's spec: the `nodes` section and the planned world size.
+
+    The agent reads only these two sections of the spec file; the ranks parse the whole spec and
+    derive their own from it when the rendezvous formed a smaller world (`RunSpec.resized`), so
+    between the API and a rank the spec is parsed twice in all: at submit and in the rank.
+    """
+
+    nodes: NodesConfig
+    world_size: int
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.nodes.nproc_per_node or self.world_size // self.nodes.max
+
+    @classmethod
+    def from_json(cls, text: str) -> NodePlan:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise SpecError("spec", f"must be an object; got {type(data).__name__}")
+        layout = _build("layout", LayoutConfig, data.get("layout", {}))
+        return cls(nodes=_build("nodes", NodesConfig, data.get("nodes", {})), world_size=layout.world_size)
+
+
 def _build(section: str, cls: type, values: Any) -> Any:
     if not isinstance(values, dict):
         raise SpecError(section, f"must be an object; got {type(values).__name__}")

@@ -14,14 +14,14 @@ import argparse
 import json
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from training.config import ModelConfig, RunSpec
+from training.config import RunSpec
 from training.data import END_OF_TEXT, IM_END, copy_tokenizer, special_token_ids
+from training.hf_format import EXPORT_DTYPE, hf_config
 from training.model import Transformer
 from training.run_dir import CheckpointDir, RunDir
 
@@ -48,41 +48,7 @@ def load_model(checkpoint: Path) -> tuple[RunSpec, Transformer]:
     return spec, model.eval()
 
 
-def hf_config(cfg: ModelConfig, dtype: str, special: dict[str, int]) -> dict[str, Any]:
-    eos = special[END_OF_TEXT]
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        # transformers ≥ 5 reads rope_parameters and dtype; older readers (and some of vLLM's
-        # paths) read rope_theta and torch_dtype. Both spellings say the same thing.
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
-        "dtype": dtype,
-        "torch_dtype": dtype,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
-        "pad_token_id": eos,
-        "use_cache": True,
-    }
-
-
-def export(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> Path:
+def export(checkpoint: Path, out_dir: Path, dtype: str = EXPORT_DTYPE) -> Path:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     spec, model = load_model(checkpoint)
@@ -91,7 +57,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> Path:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer(CheckpointDir(checkpoint).tokenizer_dir, out_dir)
     special = special_token_ids(out_dir)
-    (out_dir / "config.json").write_text(json.dumps(hf_config(spec.model, dtype, special), indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(hf_config(spec.model, dtype, special[END_OF_TEXT]), indent=2) + "\n")
     generation = {
         "bos_token_id": special[END_OF_TEXT],
         # A chat turn ends with <|im_end|>, a document with <|endoftext|>: stop on either.

@@ -94,11 +94,6 @@ class NodeDir:
     path: Path
 
     @property
-    def spec_file(self) -> Path:
-        """The spec this node's ranks run (resized when the rendezvous formed a smaller world)."""
-        return self.path / "spec.json"
-
-    @property
     def events_file(self) -> Path:
         """Where rank 0 appends its JSON-lines events; the agent's uplink tails it."""
         return self.path / "events.jsonl"

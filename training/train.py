@@ -22,7 +22,7 @@ import numpy as np
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
-from training.config import RunSpec
+from training.config import RunSpec, SpecError
 from training.data import PreparedData, prepare_data
 from training.device import activate, device_from_environment
 from training.hooks import build_hooks
@@ -100,6 +100,17 @@ def run(spec: RunSpec, run_dir: Path) -> None:
     # torchrun's contract: RANK and WORLD_SIZE name this process; absent, it is a single process.
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != spec.layout.world_size and "GROUP_WORLD_SIZE" in os.environ:
+        # The rendezvous formed a smaller world than planned (a node was lost and nodes.min
+        # allows going on): every rank derives the same spec for it, with fewer dp replicas.
+        try:
+            spec = spec.resized(
+                world_size=world_size,
+                nodes=int(os.environ["GROUP_WORLD_SIZE"]),
+                nproc=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+            )
+        except SpecError as exc:
+            raise NonRetryable("spec", str(exc)) from exc
     if world_size != spec.layout.world_size:
         raise NonRetryable(
             "spec", f"layout: dp·tp·pp = {spec.layout.world_size} ranks needed; torchrun started {world_size}"

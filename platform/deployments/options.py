@@ -1,39 +1,68 @@
-"""A deployment's replica options: checked against this host's serving device and the checkpoint.
+"""A deployment's replica options: resolved and checked once, when the deployment is created.
 
-The API checks what a user gives at create; the start task resolves it once the checkpoint is
-exported (max_model_len from the model's context) and stores what the replicas run with.
+The options are checked against this host's serving device and against the checkpoint's export:
+the export itself when there is one, else the config.json its export will carry
+(`training.hf_format`, from the run's model). Defaults are filled in (max_model_len from the
+model's context) and the deployment stores the options resolved; the start task and the
+replicas run with what is stored, and the page shows it.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 
 from controlplane.exceptions import InvalidInput
+from runs.models import Checkpoint
 from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible
+from training.config import ModelConfig
+from training.hf_format import EXPORT_DTYPE, hf_config
+from training.run_dir import CheckpointDir
 
 
 def device() -> DeviceInfo:
     return DeviceInfo.local_cpu() if settings.SERVING_DEVICE == "cpu" else DeviceInfo(kind="cuda")
 
 
-def check_options(options: dict[str, Any], export_path: str = "") -> ReplicaOptions:
-    """Replica options, checked against the device (and the checkpoint once it is exported).
+def export_info(checkpoint: Checkpoint) -> CheckpointInfo:
+    """What the checkpoint's Hugging Face export says, or will say once the start task exports it."""
+    if checkpoint.export_path and (Path(checkpoint.export_path) / "config.json").exists():
+        return CheckpointInfo.read(checkpoint.export_path)
+    # The model section of the spec saved in the checkpoint, which is what the export reads.
+    spec_file = CheckpointDir(Path(checkpoint.path)).spec_file
+    try:
+        model = ModelConfig(**json.loads(spec_file.read_text())["model"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidInput("checkpoint", f"step {checkpoint.step}: {spec_file} does not say the model: {exc}") from None
+    return CheckpointInfo.from_config(
+        hf_config(model, EXPORT_DTYPE, eos=0), checkpoint.run.run_dir.export(checkpoint.step)
+    )
+
+
+def resolve_options(options: dict[str, Any], checkpoint: Checkpoint) -> dict[str, Any]:
+    """The replica options a deployment of `checkpoint` stores: every default filled in, checked
+    against the device and the export. Errors name the option (`options.max_model_len`).
 
     Without a max_model_len, a replica serves the checkpoint's whole context (capped at 1024 on
     CPU and 8192 elsewhere, vLLM's KV cache being sized for it)."""
     try:
+        info = export_info(checkpoint)
         given = {"device": settings.SERVING_DEVICE, **options}
-        checkpoint = CheckpointInfo.read(export_path) if export_path else None
-        if "max_model_len" not in options and checkpoint is not None and checkpoint.max_position_embeddings:
+        if "max_model_len" not in options and info.max_position_embeddings:
             cap = 1024 if settings.SERVING_DEVICE == "cpu" else 8192
-            given["max_model_len"] = min(checkpoint.max_position_embeddings, cap)
+            given["max_model_len"] = min(info.max_position_embeddings, cap)
         checked = ReplicaOptions.from_dict(given)
-        if checkpoint is not None:
-            check_compatible(checked, checkpoint, device())
+        check_compatible(checked, info, device())
     except OptionError as exc:
         raise InvalidInput(f"options.{exc.field}", exc.message) from None
     except TypeError as exc:
         raise InvalidInput("options", str(exc)) from None
-    return checked
+    return {k: v for k, v in checked.to_dict().items() if k != "device"}
+
+
+def stored_options(stored: dict[str, Any]) -> ReplicaOptions:
+    """The options a deployment stored at create (already resolved and checked), for its replicas."""
+    return ReplicaOptions.from_dict({"device": settings.SERVING_DEVICE, **stored})

@@ -15,7 +15,7 @@ from controlplane.events import publish_on_commit, reserve_seqs
 from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
 from deployments.models import ApiKey, Deployment, DeploymentEvent
-from deployments.options import check_options
+from deployments.options import resolve_options
 from runs.models import Checkpoint
 from serving.state import DeploymentDir
 
@@ -57,7 +57,7 @@ def do_create_deployment(
     served = check_served_model_name(
         served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-")
     )
-    check_options(options, checkpoint.export_path)
+    resolved = resolve_options(options, checkpoint)
     with transaction.atomic():
         deployment = Deployment.objects.create(
             owner=owner,
@@ -65,7 +65,7 @@ def do_create_deployment(
             checkpoint=checkpoint,
             served_model_name=served,
             replicas=replicas,
-            options=options,
+            options=resolved,
         )
         do_record(deployment, "created", {"replicas": replicas, "checkpoint": checkpoint.pk})
         enqueue_on_commit("deployments.tasks.start_deployment", deployment.pk)

@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from deployments import services
 from deployments.models import Deployment, Replica
-from deployments.options import check_options
+from deployments.options import stored_options
 from runs import exports
 from serving import metrics as replica_metrics
 from serving.state import DeploymentDir, read_events, read_state
@@ -33,7 +33,7 @@ SCRAPE_TIMEOUT_SECONDS = 1.5
 
 
 def config_for(deployment: Deployment, export_path: Path) -> DeploymentConfig:
-    options = check_options(deployment.options, str(export_path))
+    options = stored_options(deployment.options)
     cores = os.cpu_count() or 1
     return DeploymentConfig(
         name=deployment.served_model_name,
@@ -53,11 +53,6 @@ def start(deployment: Deployment) -> int:
     """Exports the checkpoint if needed and starts the deployment's supervisor; returns its pid."""
     export_path = exports.export(deployment.checkpoint)
     config = config_for(deployment, export_path)
-    # Keep what the replicas really run with (defaults filled in): the router checks prompt
-    # lengths against max_model_len, and the page shows it.
-    resolved = {k: v for k, v in config.options.to_dict().items() if k != "device"}
-    Deployment.objects.filter(pk=deployment.pk).update(options=resolved)
-    deployment.options = resolved
     with transaction.atomic():
         for index in range(deployment.replicas):
             Replica.objects.get_or_create(deployment=deployment, index=index)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from training.config import RunSpec, SpecError, tiny
+from training.config import NodePlan, RunSpec, SpecError, tiny
 
 
 def _planned() -> RunSpec:
@@ -30,3 +32,15 @@ def test_losing_a_node_shrinks_data_parallel_and_keeps_tensor_parallel_and_the_g
 def test_a_world_that_splits_a_tensor_parallel_group_is_refused() -> None:
     with pytest.raises(SpecError, match="whole tp·pp groups"):
         _planned().resized(world_size=3, nodes=1, nproc=3)
+
+
+def test_the_node_agent_reads_only_its_nodes_and_the_planned_world_size() -> None:
+    plan = NodePlan.from_json(_planned().to_json())
+    assert (plan.nodes.min, plan.nodes.max, plan.world_size, plan.nproc_per_node) == (1, 2, 4, 2)
+
+
+def test_a_bad_nodes_section_is_refused_with_its_field_by_the_agent() -> None:
+    data = _planned().to_dict()
+    data["nodes"]["max_restarts"] = -1
+    with pytest.raises(SpecError, match="nodes.max_restarts"):
+        NodePlan.from_json(json.dumps(data))

@@ -1,8 +1,8 @@
-"""A run's spec is parsed once per process on its way from the API to a rank, and never refilled.
+"""A run's spec is parsed twice on its way from the API to a rank, and never refilled.
 
 The control plane parses it at submit and stores it resolved; the launch writes it as stored;
-the node agent parses the run's spec file once (a node's resized spec is derived from that, not
-parsed again); each rank parses the spec it is given. Real processes: the launch task's code in
+the node agent reads only the `nodes` section and the world size (`NodePlan`), not the spec;
+each rank parses the run's spec file (and fits it to a smaller world itself, when one formed). Real processes: the launch task's code in
 this process, a real node agent and a real rank, counted through a `sitecustomize` that wraps
 `RunSpec.from_dict` in every Python process the launch starts.
 """
@@ -55,7 +55,7 @@ def _wait_for_outcome(spool: Path, deadline: float) -> list[dict[str, Any]]:
 
 
 @pytest.mark.django_db
-def test_the_spec_is_parsed_once_at_submit_once_by_the_agent_and_once_by_the_rank(
+def test_the_spec_is_parsed_once_at_submit_and_once_by_the_rank(
     alice_api, settings, tmp_path, monkeypatch
 ) -> None:
     settings.RUNS_DIR = tmp_path / "runs"
@@ -99,4 +99,4 @@ def test_the_spec_is_parsed_once_at_submit_once_by_the_agent_and_once_by_the_ran
 
     # `python -m training.agent` runs the package's __main__.
     by_process = Counter(line.strip().removesuffix(".__main__") for line in parse_log.read_text().splitlines())
-    assert by_process == {"training.agent": 1, "training.train": 1}, by_process
+    assert by_process == {"training.train": 1}, by_process

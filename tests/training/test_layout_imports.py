@@ -57,8 +57,8 @@ def test_the_planner_takes_only_the_config_and_the_flop_count() -> None:
     assert offending("training/planner", allowed, ("training",)) == {}
 
 
-def test_the_control_plane_takes_from_training_only_the_config_the_planner_and_the_run_folder() -> None:
-    allowed = ("training.config", "training.planner", "training.run_dir")
+def test_the_control_plane_takes_from_training_only_the_config_the_planner_the_run_folder_and_the_export_config() -> None:
+    allowed = ("training.config", "training.planner", "training.run_dir", "training.hf_format")
     assert offending("platform", allowed, ("training",)) == {}
 
 

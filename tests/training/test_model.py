@@ -7,7 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from training.config import ModelConfig, tiny
-from training.export import hf_config, hf_name
+from training.data import END_OF_TEXT
+from training.export import hf_name
+from training.hf_format import hf_config
 from training.model import Transformer, cross_entropy_loss
 from training.parallel.pipeline import split_stage
 from training.parallel.recompute import apply_recompute
@@ -31,7 +33,7 @@ def test_its_parameter_count_is_the_configs(cfg: ModelConfig) -> None:
 def test_parameter_names_and_shapes_are_llamas_after_renaming(cfg: ModelConfig) -> None:
     ours = {hf_name(k): tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
     special = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-    llama = LlamaForCausalLM(LlamaConfig(**hf_config(cfg, "float32", special)))
+    llama = LlamaForCausalLM(LlamaConfig(**hf_config(cfg, "float32", special[END_OF_TEXT])))
     theirs = {k: tuple(v.shape) for k, v in llama.state_dict().items() if "rotary" not in k}
     assert ours == theirs
 

@@ -18,7 +18,8 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
 * every lifecycle event, and rank 0's events, go through the spooling reporter
   (`training.agent.uplink`) to the control plane;
 * when the rendezvous ends with fewer nodes than `nodes.max` (a node was lost and `nodes.min`
-  allows going on), the ranks get a spec whose `layout.dp` fits the new world size;
+  allows going on), the ranks fit the spec's `layout.dp` to the new world size themselves
+  (`RunSpec.resized`); the agent reads only the spec's `nodes` and its world size (`NodePlan`);
 * SIGTERM (or the run folder's cancel marker) cancels: ranks get SIGTERM, the newest committed
   checkpoint stays.
 
@@ -62,7 +63,7 @@ from training.agent.rank_processes import (
 )
 from training.agent.uplink import Reporter, ReporterConfig
 from training.agent.watchdog import RankFailure, Watchdog, WatchdogConfig
-from training.config import RunSpec
+from training.config import NodePlan
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
 from training.rank_environment import RankEnvironment, RankError
 from training.run_dir import NodeDir, RunDir
@@ -82,6 +83,7 @@ class ExitCode(enum.IntEnum):
 @dataclass(kw_only=True, frozen=True)
 class AgentConfig:
     run_dir: Path
+    spec_file: Path  # the run's spec as the control plane wrote it; the ranks parse it
     node_rank: int  # this host's identity in events ("node-K"); ranks are assigned by the rendezvous
     rdzv_endpoint: str  # HOST:PORT of the c10d store every agent of the run meets at
     host_store: bool  # this agent runs that store (a single point of failure: keep it on node 0)
@@ -138,13 +140,13 @@ class Outcome:
 
 
 class NodeAgent(SimpleElasticAgent):
-    def __init__(self, config: AgentConfig, spec: RunSpec, reporter: Reporter, worker_spec: WorkerSpec) -> None:
+    def __init__(self, config: AgentConfig, plan: NodePlan, reporter: Reporter, worker_spec: WorkerSpec) -> None:
         super().__init__(worker_spec, exit_barrier_timeout=config.exit_barrier_timeout)
         self.config = config
-        self.spec = spec
+        self.plan = plan
         self.reporter = reporter
         self._ranks: list[RankProcess] = []
-        self._watchdog = Watchdog(WatchdogConfig(heartbeat_timeout=spec.nodes.heartbeat_timeout))
+        self._watchdog = Watchdog(WatchdogConfig(heartbeat_timeout=plan.nodes.heartbeat_timeout))
         self._nodes: int | None = None  # nodes in the last rendezvous
         self._attempt = 0
         self._from_step = 0  # the checkpoint the current ranks resumed from
@@ -180,18 +182,10 @@ class NodeAgent(SimpleElasticAgent):
         )
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        world_size = worker_group.workers[0].world_size
-        spec = self.spec.resized(
-            world_size=world_size,
-            nodes=int(worker_group.group_world_size or 0),
-            nproc=len(worker_group.workers),
-        )
-        spec_path = self.config.node_dir.spec_file
-        tmp = spec_path.with_suffix(".tmp")
-        tmp.write_text(spec.to_json())
-        os.replace(tmp, spec_path)
         self._from_step = self.config.folder.latest_committed_step()
-        argv = ["--spec", str(spec_path), "--run-dir", str(self.config.run_dir)]
+        # The run's spec as the control plane wrote it: each rank fits it to the world it finds
+        # (WORLD_SIZE, GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE) when the rendezvous formed a smaller one.
+        argv = ["--spec", str(self.config.spec_file), "--run-dir", str(self.config.run_dir)]
         self._ranks = []
         for worker in worker_group.workers:
             rank_env = RankEnvironment(
@@ -313,7 +307,7 @@ class NodeAgent(SimpleElasticAgent):
                     return fatal
                 if self.config.folder.latest_committed_step() > self._from_step:
                     self._restarts_in_a_row = 0  # the attempt saved progress: the budget is whole again
-                if self._restarts_in_a_row >= self.spec.nodes.max_restarts:
+                if self._restarts_in_a_row >= self.plan.nodes.max_restarts:
                     self._stop_workers(group)
                     first = failures[0]
                     return Outcome(
@@ -321,12 +315,12 @@ class NodeAgent(SimpleElasticAgent):
                         kind="failed",
                         data={
                             "reason": f"rank {first.rank} {first.reason}; {self._restarts_in_a_row} restarts in a row "
-                            f"without a new checkpoint (nodes.max_restarts={self.spec.nodes.max_restarts})",
+                            f"without a new checkpoint (nodes.max_restarts={self.plan.nodes.max_restarts})",
                             "restarts": self._restarts,
                         },
                     )
                 self._restarts_in_a_row += 1
-                self._remaining_restarts = self.spec.nodes.max_restarts - self._restarts_in_a_row
+                self._remaining_restarts = self.plan.nodes.max_restarts - self._restarts_in_a_row
                 self._restarts += 1
                 self._restart("rank failed", self._backoff(progressed=self._progressed()))
             elif time.monotonic() >= next_membership_check:
@@ -487,11 +481,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _build(args: argparse.Namespace, spec: RunSpec) -> tuple[AgentConfig, Reporter, NodeAgent]:
+def _build(args: argparse.Namespace, plan: NodePlan) -> tuple[AgentConfig, Reporter, NodeAgent]:
     run_dir = args.run_dir.resolve()
     single = args.rdzv_endpoint is None
     config = AgentConfig(
         run_dir=run_dir,
+        spec_file=args.spec.resolve(),
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
         host_store=args.host_store == "yes" or (args.host_store == "auto" and (single or args.node_rank == 0)),
@@ -519,8 +514,8 @@ def _build(args: argparse.Namespace, spec: RunSpec) -> tuple[AgentConfig, Report
             backend="c10d",
             endpoint=config.rdzv_endpoint,
             run_id=config.run_id,
-            min_nodes=spec.nodes.min,
-            max_nodes=spec.nodes.max,
+            min_nodes=plan.nodes.min,
+            max_nodes=plan.nodes.max,
             local_addr=config.local_addr,
             is_host=config.host_store,
             join_timeout=config.rdzv_join_timeout,
@@ -531,22 +526,22 @@ def _build(args: argparse.Namespace, spec: RunSpec) -> tuple[AgentConfig, Report
     )
     worker_spec = WorkerSpec(
         role="trainer",
-        local_world_size=spec.nproc_per_node,
+        local_world_size=plan.nproc_per_node,
         rdzv_handler=rdzv,
         entrypoint=sys.executable,
         args=("-m", config.entrypoint),
-        max_restarts=spec.nodes.max_restarts,
+        max_restarts=plan.nodes.max_restarts,
         monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
     )
-    return config, reporter, NodeAgent(config, spec, reporter, worker_spec)
+    return config, reporter, NodeAgent(config, plan, reporter, worker_spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = _parse_args(argv)
     try:
-        spec = RunSpec.from_json(args.spec.read_text())
+        plan = NodePlan.from_json(args.spec.read_text())
     except (OSError, ValueError) as exc:  # SpecError is a ValueError
         print(f"fathom agent: {args.spec}: {exc}", file=sys.stderr)
         return ExitCode.USAGE
@@ -566,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     try:
-        config, reporter, agent = _build(args, spec)
+        config, reporter, agent = _build(args, plan)
     except CancelRequested:
         return ExitCode.CANCELLED
     reporter.start()
@@ -576,9 +571,9 @@ def main(argv: list[str] | None = None) -> int:
             "node": config.node_rank,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "nproc": spec.nproc_per_node,
-            "nodes": {"min": spec.nodes.min, "max": spec.nodes.max},
-            "max_restarts": spec.nodes.max_restarts,
+            "nproc": plan.nproc_per_node,
+            "nodes": {"min": plan.nodes.min, "max": plan.nodes.max},
+            "max_restarts": plan.nodes.max_restarts,
             "rdzv_endpoint": config.rdzv_endpoint,
         },
     )

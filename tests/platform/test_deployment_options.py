@@ -1,0 +1,70 @@
+"""A deployment's options are resolved and checked once, when it is created, and stored resolved.
+
+A real checkpoint, written by a real one-rank run, not yet exported: the API checks the options
+against the config.json its export will carry, names a bad option and stores nothing, and stores
+a good one with its defaults filled in. After the real export, the checkpoint facts the options
+were checked against are the export's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from deployments.models import Deployment
+from deployments.options import export_info
+from runs import exports
+from runs.models import Checkpoint, Run
+from serving.vllm import CheckpointInfo
+from tools.check_parity import launch, parity_spec
+from training.run_dir import RunDir
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run folder of a 2-step tiny run: its one committed checkpoint is the last step."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    launch(parity_spec(2), run_dir, timeout=600)
+    return run_dir
+
+
+@pytest.fixture
+def checkpoint(alice, trained: Path, settings, tmp_path: Path) -> Checkpoint:
+    settings.RUNS_DIR = tmp_path / "runs"
+    run = Run.objects.create(owner=alice, name="source", spec=parity_spec(2).to_dict(), status="succeeded")
+    found = RunDir(trained).latest_checkpoint()
+    assert found is not None
+    return Checkpoint.objects.create(run=run, step=2, path=str(found))
+
+
+def test_an_option_the_checkpoint_cannot_serve_is_refused_at_create_and_nothing_is_stored(alice_api, checkpoint):
+    seq_len = checkpoint.run.spec["model"]["seq_len"]
+    refused = alice_api.post(
+        "/api/deployments/", {"checkpoint": checkpoint.pk, "options": {"max_model_len": seq_len + 1}}, format="json"
+    )
+    assert refused.status_code == 400
+    assert refused.json() == {
+        "options": {"max_model_len": [f"{seq_len + 1} exceeds the checkpoint's max_position_embeddings ({seq_len})"]}
+    }
+    unknown = alice_api.post("/api/deployments/", {"checkpoint": checkpoint.pk, "options": {"gpus": 2}}, format="json")
+    assert unknown.status_code == 400
+    assert list(unknown.json()["options"]) == ["gpus"]
+    assert Deployment.objects.count() == 0
+
+
+def test_the_options_are_stored_resolved_at_create(alice_api, checkpoint):
+    created = alice_api.post("/api/deployments/", {"checkpoint": checkpoint.pk, "options": {}}, format="json")
+    assert created.status_code == 201, created.content
+    stored = Deployment.objects.get(pk=created.json()["id"]).options
+    assert stored["max_model_len"] == checkpoint.run.spec["model"]["seq_len"]  # the model's context
+    assert created.json()["options"] == stored
+
+
+def test_what_the_options_were_checked_against_is_what_the_export_says(checkpoint):
+    planned = export_info(checkpoint)
+    exported = CheckpointInfo.read(exports.export(checkpoint))
+    assert dataclasses.replace(planned, path=exported.path) == exported
