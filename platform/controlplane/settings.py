@@ -123,6 +123,14 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
     DATABASES["default"]["TEST"] = {"NAME": str(DATA_DIR / "test.sqlite3")}
+else:
+    # Under ASGI every request runs in a thread of its own, so a connection is never reused
+    # (CONN_MAX_AGE would leak one per request): a new PostgreSQL connection per request cost a
+    # fork on the server and about 8 ms, a sixth of an event ingest at 1,000 points/s. A pool per
+    # process hands each request a connection already open; the health check sees one that a
+    # restarted server dropped.
+    DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 1, "max_size": 20, "timeout": 20}}
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL")
