@@ -179,6 +179,7 @@ def main() -> None:
         gaps = [b - a for a, b in zip(checkpoint_steps, checkpoint_steps[1:], strict=False) if b > a]
         interval_s = statistics.median(gaps) * step_time if gaps else float("nan")
         restarts = sum(1 for e in events if e["kind"] == "restarting")
+        from_memory = sum(1 for e in events if e["kind"] == "resumed" and e["data"].get("source") == "memory")
         failed = any(e["kind"] == "failed" for e in events)
     finally:
         if not args.keep:
@@ -187,10 +188,14 @@ def main() -> None:
     timeout = spec.nodes.heartbeat_timeout
     print(
         f"spec: tiny recipe, dp=2, product defaults: checkpoint_interval={spec.train.checkpoint_interval} "
-        f"async_checkpoint={spec.train.async_checkpoint} max_restarts={spec.nodes.max_restarts} "
+        f"async_checkpoint={spec.train.async_checkpoint} memory_snapshots={spec.train.memory_snapshots} "
+        f"max_restarts={spec.nodes.max_restarts} "
         f"heartbeat_timeout={timeout:.0f} s"
     )
-    print(f"step time (median): {step_time * 1000:.0f} ms; {restarts} restarts, run {'FAILED' if failed else 'alive'}")
+    print(
+        f"step time (median): {step_time * 1000:.0f} ms; {restarts} restarts ({from_memory} resumed from in-memory "
+        f"snapshots), run {'FAILED' if failed else 'alive'}"
+    )
     print(
         f"checkpoints: every {interval_s:.2f} s (median); a save cost the loop {save_cost * 1000:.0f} ms, so Young's "
         f"√(2·C·M) with M = {args.period:.0f} s is {young_s:.2f} s"
@@ -212,6 +217,7 @@ def main() -> None:
         f"hang_timeout_s={timeout:.0f} recovery_s={max([*recovery, hang_recovery]):.2f} "
         f"effective_pct={effective * 100:.1f} baseline_pct={baseline * 100:.1f} "
         f"checkpoint_interval_s={interval_s:.2f} young_interval_s={young_s:.2f} restarts={restarts} "
+        f"resumed_from_memory={from_memory} "
         f"defaults=product"
     )
 

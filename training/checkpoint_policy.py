@@ -45,10 +45,21 @@ _WINDOW = 64
 class CheckpointPolicy:
     """`due(step)` is called on every rank after each step; True: save now."""
 
-    def __init__(self, *, interval: int, total_steps: int, first_step: int, attempt: int, distributed: bool) -> None:
+    def __init__(
+        self,
+        *,
+        interval: int,
+        total_steps: int,
+        first_step: int,
+        attempt: int,
+        distributed: bool,
+        memory_snapshots: bool = False,
+    ) -> None:
         self.interval = interval  # train.checkpoint_interval; 0: Young's rule
         self.total_steps = total_steps
-        self.attempt = attempt  # restarts of the job so far (FATHOM_ATTEMPT)
+        # Restarts of the job so far (FATHOM_ATTEMPT). Where ranks resume from in-memory snapshots,
+        # a rank's failure costs the disk nothing: only a lost host does, so M stays the prior.
+        self.attempt = 0 if memory_snapshots else attempt
         self.distributed = distributed
         self.next_step = first_step + FIRST_INTERVAL_STEPS
         self.save_cost: float | None = None  # C, agreed over the ranks, seconds
@@ -58,7 +69,9 @@ class CheckpointPolicy:
         self._saved_step: int | None = None
 
     @classmethod
-    def for_run(cls, spec: RunSpec, *, first_step: int, distributed: bool) -> CheckpointPolicy:
+    def for_run(
+        cls, spec: RunSpec, *, first_step: int, distributed: bool, memory_snapshots: bool = False
+    ) -> CheckpointPolicy:
         """The policy of `spec`, for an attempt that resumed at `first_step`."""
         env = RankEnvironment.from_environ()
         return cls(
@@ -67,6 +80,7 @@ class CheckpointPolicy:
             first_step=first_step,
             attempt=env.attempt if env is not None else 0,
             distributed=distributed,
+            memory_snapshots=memory_snapshots,
         )
 
     def due(self, step: int) -> bool:
@@ -100,3 +114,49 @@ class CheckpointPolicy:
         self.young_interval = tau
         self.next_step = step - 1 + max(1, round(tau / step_s))
         self._saved_step = None
+
+
+# Steps before an attempt's first in-memory snapshot: enough for a step time to compare its cost with.
+FIRST_SNAPSHOT_STEPS = 2
+
+
+class SnapshotPolicy:
+    """When a rank copies its state into shared memory (`training.memory_snapshot`).
+
+    The same rule as the disk's, with the snapshot's own cost: every k steps, k from Young's
+    τ = √(2·C·M), where C is what the first snapshot of the attempt took (the slowest rank's) and M
+    the failure interval `CheckpointPolicy` learns. Agreed once per attempt by one all-reduce, so
+    every rank snapshots the same steps.
+    """
+
+    def __init__(self, *, first_step: int, attempt: int, distributed: bool) -> None:
+        self.attempt = attempt
+        self.distributed = distributed
+        self.first = first_step + FIRST_SNAPSHOT_STEPS
+        self.every: int | None = None  # steps between snapshots, once agreed
+        self._step_times: list[float] = []
+        self._last: float | None = None
+        self.cost: float | None = None
+
+    def due(self, step: int) -> bool:
+        now = time.perf_counter()
+        if self._last is not None and self.every is None:
+            self._step_times.append(now - self._last)
+        self._last = now
+        if self.every is None:
+            return step == self.first
+        return (step - self.first) % self.every == 0
+
+    def taken(self, step: int, seconds: float) -> None:
+        """Called after the snapshot of `step` with its duration; the first one sets the interval."""
+        if self.every is not None:
+            return
+        step_s = statistics.median(self._step_times) if self._step_times else seconds
+        figures = torch.tensor([seconds, step_s], dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        cost, step_s = float(figures[0]), max(float(figures[1]), 1e-6)
+        self.cost = cost
+        mtbf = MTBF_PRIOR_S if self.attempt == 0 else step * step_s / self.attempt
+        tau = min(MAX_INTERVAL_S, math.sqrt(2 * max(cost, 1e-5) * mtbf))
+        self.every = max(1, round(tau / step_s))

@@ -11,7 +11,6 @@
         logs/standby-node<K>.log        node K's warm standbys, until they become ranks
         logs/rendezvous-store.log       the rendezvous store of a multi-node run
         node<K>/                        node K's agent's own files (the folder may be shared by hosts)
-            spec.json                   the spec its ranks run: the run's, resized if the world shrank
             events.jsonl                rank 0's events, tailed by the agent's uplink
             spool.jsonl, acked          the uplink's spool and what the control plane acknowledged
             heartbeat/rank<R>.json      rank R's last beat
@@ -26,14 +25,22 @@
         exports/step_<NNNNNNNN>/        a checkpoint in Hugging Face format (config.json last)
         exports/step_<NNNNNNNN>.tmp/    an export being written
 
+    /dev/shm/fathom-<hash of RUN_DIR>/  (or $FATHOM_SNAPSHOT_ROOT) each rank's in-memory snapshots
+        rank<R>-slot<S>.bin, .meta      on this host (training.memory_snapshot), for as long as the agent lives
+
 Plain file-system logic with no torch, so the node agent, the control plane and the tools all
 read it; `training.checkpoint` writes checkpoints under the same names.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+# Where in-memory snapshots live: a tmpfs (shared memory) that outlives a rank's process.
+SNAPSHOT_ROOT = "FATHOM_SNAPSHOT_ROOT"
 
 _STEP_PREFIX = "step_"
 _STAGING_SUFFIX = ".tmp"
@@ -130,6 +137,14 @@ class RunDir:
     @property
     def spec_file(self) -> Path:
         return self.path / "spec.json"
+
+    @property
+    def memory_snapshot_dir(self) -> Path:
+        """Where this host's ranks keep their in-memory snapshots (`training.memory_snapshot`): shared
+        memory, outside the run folder, named after it. It outlives a rank, not the host; the node
+        agent removes it when it exits."""
+        digest = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return Path(os.environ.get(SNAPSHOT_ROOT, "/dev/shm")) / f"fathom-{digest}"
 
     @property
     def cancel_marker(self) -> Path:

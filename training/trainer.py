@@ -9,6 +9,7 @@ committed checkpoint (if any), runs the remaining steps and saves on schedule.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from functools import partial
@@ -19,16 +20,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from training.checkpoint import Checkpointer, remove_uncommitted
-from training.checkpoint_policy import CheckpointPolicy
+from training.checkpoint import Checkpointer, remove_uncommitted, rng_state, set_rng_state
+from training.checkpoint_policy import CheckpointPolicy, SnapshotPolicy
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.device import CPU, ComputeDevice, device_peak_memory_mb, peak_flops
 from training.hooks import TrainHook
+from training.memory_snapshot import MemorySnapshots
 from training.metrics import mfu, step_line
 from training.model import Transformer, cross_entropy_loss
 from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
+from training.rank_environment import RankEnvironment
 from training.rank_events import EventLog
 from training.run_dir import RunDir
 
@@ -120,6 +123,18 @@ class Trainer:
             rank=rank,
             hooks=self.hooks,
             on_commit=self._on_commit,
+        )
+        # In-memory snapshots only under a node agent, which removes them when it exits.
+        self.snapshots = (
+            MemorySnapshots(
+                RunDir(run_dir).memory_snapshot_dir,
+                rank=rank,
+                identity={"layout": dataclasses.asdict(spec.layout), "world_size": world_size},
+                parts=list(self.model.parts),
+                optimizers=list(self.optimizers),
+            )
+            if spec.train.memory_snapshots and RankEnvironment.from_environ() is not None
+            else None
         )
         self.tokens_per_step = spec.train.global_batch * spec.model.seq_len
         # Every rank's peak in the run's precision and thread count, as rank 0 measures it on its host.
@@ -228,13 +243,40 @@ class Trainer:
         """What a checkpoint's fathom.json keeps beside the tensors (the checkpointer adds the spec)."""
         return {"sampler": self.sampler.state_dict()}
 
+    def _memory_step(self, newer_than: int) -> int | None:
+        """The newest step every rank holds an in-memory snapshot of, if newer than `newer_than`."""
+        if self.snapshots is None:
+            return None
+        held = self.snapshots.steps()
+        newest = torch.tensor([max(held, default=-1)], dtype=torch.int64)
+        if self.distributed:
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+        common = int(newest.item())
+        everyone = torch.tensor([int(common in held)], dtype=torch.int64)
+        if self.distributed:
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        return common if everyone.item() == 1 and common > newer_than else None
+
     def resume(self) -> int:
-        """Loads the newest committed checkpoint, if there is one; returns the step it holds (or 0)."""
+        """Loads the newest state there is, if any: the ranks' in-memory snapshots when every rank
+        holds one newer than the newest committed checkpoint, else that checkpoint. Returns the
+        step it holds (or 0)."""
         if self.rank == 0:
             remove_uncommitted(self.run_dir)  # torn saves of an earlier attempt
         if self.distributed:
             dist.barrier()  # every rank sees the same checkpoints folder from here on
         checkpoint = RunDir(self.run_dir).latest_checkpoint()
+        memory_step = self._memory_step(RunDir(self.run_dir).latest_committed_step())
+        if memory_step is not None:
+            assert self.snapshots is not None
+            extra = self.snapshots.restore(memory_step)
+            self.sampler.load_state_dict(extra["sampler"])
+            set_rng_state(extra["rng"])
+            if self.rank == 0:
+                say(f"resumed from the in-memory snapshot of step {memory_step}")
+            if self.events is not None:
+                self.events.emit("resumed", step=memory_step, source="memory")
+            return memory_step
         if checkpoint is None:
             return 0
         state = self.checkpointer.load(checkpoint)
@@ -249,10 +291,21 @@ class Trainer:
         """Trains from the newest checkpoint to `train.steps`; returns the last step."""
         cfg = self.spec.train
         done = self.resume()
-        policy = CheckpointPolicy.for_run(self.spec, first_step=done, distributed=self.distributed)
+        snapshots = self.snapshots
+        policy = CheckpointPolicy.for_run(
+            self.spec, first_step=done, distributed=self.distributed, memory_snapshots=snapshots is not None
+        )
+        env = RankEnvironment.from_environ()
+        snapshot_policy = SnapshotPolicy(
+            first_step=done, attempt=env.attempt if env is not None else 0, distributed=self.distributed
+        )
         for step in range(done + 1, cfg.steps + 1):
             self.train_step(step)
             self.checkpointer.poll()
+            if snapshots is not None and snapshot_policy.due(step):
+                started = time.perf_counter()
+                snapshots.take(step, {**self.trainer_state(), "rng": rng_state()})
+                snapshot_policy.taken(step, time.perf_counter() - started)
             if policy.due(step):
                 self.checkpointer.save(step, self.trainer_state())
         self.checkpointer.close()

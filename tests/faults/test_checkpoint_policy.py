@@ -7,7 +7,13 @@ import math
 import pytest
 
 from training import checkpoint_policy
-from training.checkpoint_policy import FIRST_INTERVAL_STEPS, MTBF_PRIOR_S, CheckpointPolicy
+from training.checkpoint_policy import (
+    FIRST_INTERVAL_STEPS,
+    FIRST_SNAPSHOT_STEPS,
+    MTBF_PRIOR_S,
+    CheckpointPolicy,
+    SnapshotPolicy,
+)
 
 
 class Clock:
@@ -58,3 +64,25 @@ def test_after_restarts_the_interval_follows_the_runs_own_failure_rate(clock: Cl
     young = math.sqrt(2 * 0.02 * (6011 * 0.1 / 10))  # planned at the step after the save
     assert policy.young_interval == pytest.approx(young, rel=0.01)
     assert policy.next_step == 6010 + round(young / 0.1)
+
+
+def test_in_memory_snapshots_follow_youngs_rule_with_their_own_cost(clock: Clock) -> None:
+    policy = SnapshotPolicy(first_step=0, attempt=0, distributed=False)
+    taken = []
+    for step in range(1, 400):
+        clock.now += 0.1
+        if policy.due(step):
+            taken.append(step)
+            policy.taken(step, 0.002)
+    # Before any failure M is the prior (an hour): τ = √(2 · 0.002 s · 3600 s) ≈ 3.8 s, 38 steps.
+    every = round(math.sqrt(2 * 0.002 * MTBF_PRIOR_S) / 0.1)
+    assert every == 38
+    assert taken[:3] == [FIRST_SNAPSHOT_STEPS, FIRST_SNAPSHOT_STEPS + every, FIRST_SNAPSHOT_STEPS + 2 * every]
+
+
+def test_with_in_memory_snapshots_the_disk_interval_ignores_rank_restarts(clock: Clock) -> None:
+    policy = CheckpointPolicy(
+        interval=0, total_steps=100_000, first_step=6000, attempt=10, distributed=False, memory_snapshots=True
+    )
+    run(policy, clock, range(6001, 6012), step_s=0.1, save_s=0.02)
+    assert policy.young_interval == pytest.approx(math.sqrt(2 * 0.02 * MTBF_PRIOR_S), rel=0.01)

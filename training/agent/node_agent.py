@@ -32,6 +32,7 @@ import argparse
 import enum
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -583,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         outcome = Outcome(
             code=ExitCode.CANCELLED, kind="cancelled", data={"step": config.folder.latest_committed_step()}
         )
+    # The ranks' in-memory snapshots on this host are of no use once its agent is gone.
+    shutil.rmtree(config.folder.memory_snapshot_dir, ignore_errors=True)
     reporter.emit(outcome.kind, outcome.data)
     if not reporter.close(flush_timeout=config.report_flush_timeout):
         logger.warning(

@@ -44,7 +44,7 @@ export function describe(e) {
           `${e.backoff ? `, after ${Number(e.backoff).toFixed(1)} s` : ""}`,
       ];
     case "resumed":
-      return ["Resumed", `from the checkpoint of step ${e.step}`];
+      return ["Resumed", e.source === "memory" ? `from the in-memory snapshot of step ${e.step}` : `from the checkpoint of step ${e.step}`];
     case "checkpoint":
       return ["Checkpoint", `step ${e.step}`];
     case "node_lost":

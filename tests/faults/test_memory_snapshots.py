@@ -1,0 +1,49 @@
+"""A rank killed on a host that lives on resumes from the ranks' in-memory snapshots, newer than
+any disk checkpoint, and lands on the loss curve of a run that was never interrupted.
+
+Real agent, real trainer ranks (gloo), the product's default `train.memory_snapshots`; the disk
+checkpoint is only the last step's, so a resume from disk would start over from step 0. Three
+layouts, since each keeps its state differently: plain data parallel, tensor parallel (DTensor
+parameters and optimizer state) and ZeRO-3 (FSDP2 shards).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.faults.harness import Agents, training_spec
+from training.config import RunSpec
+from training.run_dir import RunDir
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+KILLED_AT = 18
+
+
+def _spec(layout: dict[str, Any], faults: list[dict[str, Any]]) -> RunSpec:
+    data = training_spec(steps=STEPS, checkpoint_interval=STEPS, faults=faults).to_dict()
+    data["layout"].update(layout)
+    return RunSpec.from_dict(data)
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"dp": 1, "tp": 2}, {"dp": 2, "zero": 3}], ids=["dp2", "tp2", "zero3"])
+def test_a_killed_rank_resumes_from_memory_on_the_uninterrupted_loss_curve(
+    agents: Agents, tmp_path: Path, layout: dict[str, Any]
+) -> None:
+    clean = agents.run(_spec(layout, []), tmp_path / "clean")
+    assert clean.process.returncode == 0, clean.tail()
+
+    faulty = agents.run(_spec(layout, [{"kind": "kill_rank", "rank": 1, "step": KILLED_AT}]), tmp_path / "faulty")
+    assert faulty.process.returncode == 0, faulty.tail()
+    assert [r["from_step"] for r in faulty.of_kind("restarting")] == [0]  # no disk checkpoint yet
+    (resumed,) = faulty.of_kind("resumed")
+    assert resumed["source"] == "memory"
+    assert 0 < resumed["step"] < KILLED_AT
+    assert faulty.losses() == clean.losses()
+    assert sorted(faulty.losses()) == list(range(1, STEPS + 1))
+    # The agent removed the snapshots from shared memory when it exited.
+    assert not RunDir(tmp_path / "faulty").memory_snapshot_dir.exists()

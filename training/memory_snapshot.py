@@ -1,0 +1,174 @@
+"""In-memory snapshots: what a restarted rank resumes from when its host survived the failure.
+
+A disk checkpoint costs the training loop C seconds (DCP's planning, serialisation and writes
+share the host's cores with training), and Young's rule puts the least total loss at
+√(2·C/M) of the run for a failure every M seconds: with C ≈ 0.2 s and a crash a minute, about 8%
+whatever the interval. Most failures are a rank's process dying (a crash, an OOM kill, a hang
+the watchdog kills) on a host that lives on, so each rank also copies its own shard of the
+state (parameters, optimizer state, data position, RNG) into shared memory, which outlives the
+process: a copy into buffers kept from one snapshot to the next, about a millisecond for the
+`tiny` model and 25 ms for `small`, no collective and no file system. The disk checkpoints
+remain for what shared memory does not survive (a lost host) and for export.
+
+Two slots per rank, written alternately: a slot's description is removed before its buffers
+are overwritten and written (atomically) after, so a rank killed mid-copy leaves the other slot
+whole. The ranks snapshot on the same steps; at resume they agree on the newest step every rank
+holds (one all-reduce), so a rank killed during a snapshot costs one interval, not the run.
+Snapshots are taken and read only by the same layout on the same world; a resized world resumes
+from disk.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+SLOTS = 2
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    """Where one tensor of the state lies in a slot's buffer, and what it was."""
+
+    key: tuple[int, int, str]  # (part, parameter index in the part, "param" or an optimizer state key)
+    offset: int  # bytes
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    distributed: bool  # a DTensor: restored with its parameter's mesh and placements
+
+
+class MemorySnapshots:
+    """One rank's snapshots of `parts` and `optimizers` in `directory` (shared memory)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        rank: int,
+        identity: dict[str, Any],
+        parts: list[torch.nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+    ) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.identity = identity  # layout and world size: a snapshot is read back only under the same
+        self.parts = parts
+        self.optimizers = optimizers
+        self._buffers: dict[int, np.memmap] = {}
+        self._next_slot = 0
+
+    # --- files ---------------------------------------------------------------------------------
+
+    def _data_file(self, slot: int) -> Path:
+        return self.directory / f"rank{self.rank}-slot{slot}.bin"
+
+    def _meta_file(self, slot: int) -> Path:
+        return self.directory / f"rank{self.rank}-slot{slot}.meta"
+
+    def _read_meta(self, slot: int) -> dict[str, Any] | None:
+        try:
+            with self._meta_file(slot).open("rb") as f:
+                meta: dict[str, Any] = pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError):
+            return None
+        return meta if meta.get("identity") == self.identity else None
+
+    # --- what a snapshot holds -----------------------------------------------------------------
+
+    def _tensors(self) -> list[tuple[tuple[int, int, str], torch.Tensor]]:
+        """Every tensor of this rank's state, in one fixed order."""
+        out: list[tuple[tuple[int, int, str], torch.Tensor]] = []
+        for p_index, (part, opt) in enumerate(zip(self.parts, self.optimizers, strict=True)):
+            for i, param in enumerate(part.parameters()):
+                out.append(((p_index, i, "param"), param.detach()))
+                for key, value in sorted(opt.state.get(param, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        out.append(((p_index, i, key), value))
+        return out
+
+    def _buffer(self, slot: int, size: int) -> np.memmap:
+        held = self._buffers.get(slot)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if held is None or held.size < size or not self._data_file(slot).exists():
+            held = np.memmap(self._data_file(slot), dtype=np.uint8, mode="w+", shape=(max(size, 1),))
+            self._buffers[slot] = held
+        return held
+
+    # --- taking and reading --------------------------------------------------------------------
+
+    def take(self, step: int, extra: dict[str, Any]) -> None:
+        """Copies the state after optimizer step `step`, with `extra` (data position, RNG), into the
+        older slot."""
+        tensors = self._tensors()
+        entries: list[_TensorEntry] = []
+        offset = 0
+        for key, tensor in tensors:
+            local = _local(tensor)
+            entries.append(_TensorEntry(key, offset, tuple(local.shape), local.dtype, isinstance(tensor, DTensor)))
+            offset += local.numel() * local.element_size()
+            offset += -offset % 64  # aligned, so each view is a plain typed array
+        slot = self._next_slot
+        self._meta_file(slot).unlink(missing_ok=True)  # from here on this slot is not a snapshot
+        buffer = self._buffer(slot, offset)
+        whole = torch.from_numpy(buffer)
+        for entry, (_, tensor) in zip(entries, tensors, strict=True):
+            local = _local(tensor)
+            nbytes = local.numel() * local.element_size()
+            view = whole[entry.offset : entry.offset + nbytes].view(entry.dtype).view(entry.shape)
+            view.copy_(local.detach())
+        meta = {"step": step, "identity": self.identity, "entries": entries, "extra": extra}
+        tmp = self._meta_file(slot).with_suffix(".tmp")
+        with tmp.open("wb") as f:
+            pickle.dump(meta, f)
+        os.replace(tmp, self._meta_file(slot))
+        self._next_slot = (slot + 1) % SLOTS
+
+    def steps(self) -> list[int]:
+        """The steps this rank holds a whole snapshot of."""
+        return sorted(meta["step"] for slot in range(SLOTS) if (meta := self._read_meta(slot)) is not None)
+
+    def restore(self, step: int) -> dict[str, Any]:
+        """Puts the snapshot of `step` back into the parameters and optimizers; returns its `extra`."""
+        slot, meta = next((s, m) for s in range(SLOTS) if (m := self._read_meta(s)) is not None and m["step"] == step)
+        buffer = np.memmap(self._data_file(slot), dtype=np.uint8, mode="r")
+        whole = torch.from_numpy(np.asarray(buffer))
+        params = {
+            (p_index, i): param for p_index, part in enumerate(self.parts) for i, param in enumerate(part.parameters())
+        }
+        with torch.no_grad():
+            for entry in meta["entries"]:
+                part_index, i, name = entry.key
+                param = params[(part_index, i)]
+                nbytes = int(np.prod(entry.shape, dtype=np.int64)) * torch.empty((), dtype=entry.dtype).element_size()
+                saved = whole[entry.offset : entry.offset + nbytes].view(entry.dtype).view(entry.shape)
+                if name == "param":
+                    _local(param).copy_(saved)
+                    continue
+                value = saved.clone().to(_local(param).device if saved.dim() else saved.device)
+                if entry.distributed and isinstance(param, DTensor):
+                    value = DTensor.from_local(
+                        value,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
+                self.optimizers[part_index].state[param][name] = value
+        self._next_slot = (slot + 1) % SLOTS  # the next snapshot keeps this one
+        extra: dict[str, Any] = meta["extra"]
+        return extra
+
+    def close(self) -> None:
+        self._buffers.clear()
