@@ -435,7 +435,7 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
         unique = list({e["seq"]: e for e in fresh}.values())
         changes: dict[str, Any] = {}
         stored: list[RunEvent] = []
-        status = None
+        status: Run.Status | None = None
         if unique:
             first = int(row["last_seq"]) + 1
             stored = RunEvent.objects.bulk_create(
@@ -482,11 +482,11 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
     return max([held_up_to, *(e["seq"] for e in unique)])
 
 
-def _changes_from_events(run: Run, events: list[RunEvent], changes: dict[str, Any]) -> str | None:
+def _changes_from_events(run: Run, events: list[RunEvent], changes: dict[str, Any]) -> Run.Status | None:
     """Adds to `changes` (columns of the run's row) what an agent's events say; records the
     checkpoints they report. Returns the status the last status-moving event asks for, if any."""
     changes["last_report_at"] = timezone.now()
-    status = None
+    status: Run.Status | None = None
     restarts = 0
     for event in events:
         data = event.data
