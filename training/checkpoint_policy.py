@@ -22,6 +22,7 @@ import math
 import statistics
 import time
 from collections import deque
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,16 @@ class CheckpointPolicy:
             distributed=distributed,
             memory_snapshots=memory_snapshots,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plan, kept in each in-memory snapshot so that a rank resumed from one carries on with
+        it instead of measuring the save cost anew (a save FIRST_INTERVAL_STEPS into every attempt)."""
+        return {"next_step": self.next_step, "save_cost": self.save_cost, "young_interval": self.young_interval}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_step = int(state["next_step"])
+        self.save_cost = state["save_cost"]
+        self.young_interval = state["young_interval"]
 
     def due(self, step: int) -> bool:
         now = time.perf_counter()

@@ -139,6 +139,8 @@ class Trainer:
         self.tokens_per_step = spec.train.global_batch * spec.model.seq_len
         # Every rank's peak in the run's precision and thread count, as rank 0 measures it on its host.
         self.peak_flops = peak_flops(device, spec.layout.precision, RunDir(run_dir).peak_flops_dir) if rank == 0 else 0.0
+        # The checkpoint policy's plan as an in-memory snapshot kept it, when resume() used one.
+        self._resumed_policy: dict[str, Any] | None = None
         self._last_step_end: tuple[int, float] | None = None  # (step, perf_counter) of the last step's end
 
     # --- One step -----------------------------------------------------------------------------
@@ -272,6 +274,7 @@ class Trainer:
             extra = self.snapshots.restore(memory_step)
             self.sampler.load_state_dict(extra["sampler"])
             set_rng_state(extra["rng"])
+            self._resumed_policy = extra["checkpoint_policy"]
             if self.rank == 0:
                 say(f"resumed from the in-memory snapshot of step {memory_step}")
             if self.events is not None:
@@ -290,11 +293,14 @@ class Trainer:
     def fit(self) -> int:
         """Trains from the newest checkpoint to `train.steps`; returns the last step."""
         cfg = self.spec.train
+        self._resumed_policy = None
         done = self.resume()
         snapshots = self.snapshots
         policy = CheckpointPolicy.for_run(
             self.spec, first_step=done, distributed=self.distributed, memory_snapshots=snapshots is not None
         )
+        if self._resumed_policy is not None:
+            policy.load_state_dict(self._resumed_policy)  # the disk plan goes on where the snapshot left it
         env = RankEnvironment.from_environ()
         snapshot_policy = SnapshotPolicy(
             first_step=done, attempt=env.attempt if env is not None else 0, distributed=self.distributed
@@ -304,7 +310,9 @@ class Trainer:
             self.checkpointer.poll()
             if snapshots is not None and snapshot_policy.due(step):
                 started = time.perf_counter()
-                snapshots.take(step, {**self.trainer_state(), "rng": rng_state()})
+                snapshots.take(
+                    step, {**self.trainer_state(), "rng": rng_state(), "checkpoint_policy": policy.state_dict()}
+                )
                 snapshot_policy.taken(step, time.perf_counter() - started)
             if policy.due(step):
                 self.checkpointer.save(step, self.trainer_state())

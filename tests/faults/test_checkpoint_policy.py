@@ -86,3 +86,15 @@ def test_with_in_memory_snapshots_the_disk_interval_ignores_rank_restarts(clock:
     )
     run(policy, clock, range(6001, 6012), step_s=0.1, save_s=0.02)
     assert policy.young_interval == pytest.approx(math.sqrt(2 * 0.02 * MTBF_PRIOR_S), rel=0.01)
+
+
+def test_a_rank_resumed_from_memory_carries_on_with_the_disk_plan_its_snapshot_kept(clock: Clock) -> None:
+    before = CheckpointPolicy(interval=0, total_steps=100_000, first_step=0, attempt=0, distributed=False)
+    saved = run(before, clock, range(1, 30), step_s=0.1, save_s=0.02)
+    assert saved == [FIRST_INTERVAL_STEPS]  # then the next save is planned ~120 steps later
+    after = CheckpointPolicy(
+        interval=0, total_steps=100_000, first_step=29, attempt=1, distributed=False, memory_snapshots=True
+    )
+    after.load_state_dict(before.state_dict())
+    # No save FIRST_INTERVAL_STEPS into the new attempt: the plan made before the failure holds.
+    assert run(after, clock, range(30, 200), step_s=0.1, save_s=0.02) == [before.next_step]
