@@ -114,17 +114,29 @@ class CheckpointPolicy:
 
     def _plan(self, step: int, extra: float) -> None:
         """Sets the next save's step from C (this save's cost) and M; same result on every rank."""
-        step_s = statistics.median(self._step_times)
-        figures = torch.tensor([extra, step_s], dtype=torch.float64)
-        if self.distributed:
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        cost, step_s = float(figures[0]), max(float(figures[1]), 1e-6)
-        self.save_cost = cost
-        mtbf = MTBF_PRIOR_S if self.attempt == 0 else step * step_s / self.attempt
-        tau = min(MAX_INTERVAL_S, math.sqrt(2 * max(cost, 1e-4) * mtbf))
-        self.young_interval = tau
-        self.next_step = step - 1 + max(1, round(tau / step_s))
+        self.save_cost, self.young_interval, steps = young_interval(
+            extra, statistics.median(self._step_times), step=step, attempt=self.attempt, distributed=self.distributed
+        )
+        self.next_step = step - 1 + steps
         self._saved_step = None
+
+
+def young_interval(
+    cost: float, step_s: float, *, step: int, attempt: int, distributed: bool, least_cost: float = 1e-4
+) -> tuple[float, float, int]:
+    """(C, τ in seconds, τ in steps) by Young's rule, from this rank's cost C of one save and its median
+    step time, each the slowest rank's (one all-reduce), so every rank gets the same answer.
+
+    M is MTBF_PRIOR_S until the job's first restart, then its training time per restart so far.
+    """
+    figures = torch.tensor([cost, step_s], dtype=torch.float64)
+    if distributed:
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    cost, step_s = float(figures[0]), max(float(figures[1]), 1e-6)
+    mtbf = MTBF_PRIOR_S if attempt == 0 else step * step_s / attempt
+    # A cost measured as nothing (a background save that overlapped a step entirely) is not free.
+    tau = min(MAX_INTERVAL_S, math.sqrt(2 * max(cost, least_cost) * mtbf))
+    return cost, tau, max(1, round(tau / step_s))
 
 
 # Steps before an attempt's first in-memory snapshot: enough for a step time to compare its cost with.
@@ -163,11 +175,6 @@ class SnapshotPolicy:
         if self.every is not None:
             return
         step_s = statistics.median(self._step_times) if self._step_times else seconds
-        figures = torch.tensor([seconds, step_s], dtype=torch.float64)
-        if self.distributed:
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        cost, step_s = float(figures[0]), max(float(figures[1]), 1e-6)
-        self.cost = cost
-        mtbf = MTBF_PRIOR_S if self.attempt == 0 else step * step_s / self.attempt
-        tau = min(MAX_INTERVAL_S, math.sqrt(2 * max(cost, 1e-5) * mtbf))
-        self.every = max(1, round(tau / step_s))
+        self.cost, _, self.every = young_interval(
+            seconds, step_s, step=step, attempt=self.attempt, distributed=self.distributed, least_cost=1e-5
+        )
