@@ -42,10 +42,11 @@ def devices_word(kind: str, count: int) -> str:
 
 
 def why_it_never_fits(need: Need, hosts: list[Host]) -> str:
-    """Empty when some kind of host, all of them free, could hold the run; else why not.
+    """Empty when the hosts of some kind, all of them free, could hold the run; else why not.
 
     Every registered host counts, lost and draining ones too: they may come back, and a run that
-    would fit then is not refused now."""
+    would fit then is not refused now. A host holds as many of the run's nodes as it has
+    `per_node` devices (nodes spread over hosts when they can, but may share one)."""
     if not hosts:
         return ""
     reasons = []
@@ -53,11 +54,10 @@ def why_it_never_fits(need: Need, hosts: list[Host]) -> str:
         sizes = sorted((len(h.device_indexes) for h in hosts if h.device_kind == kind), reverse=True)
         if not sizes:
             continue
-        if len([s for s in sizes if s >= need.per_node]) >= need.nodes:
+        if sum(size // need.per_node for size in sizes) >= need.nodes:
             return ""
-        reasons.append(
-            f"{len(sizes)} {kind.upper()} host{'s' if len(sizes) != 1 else ''} with at most {devices_word(kind, sizes[0])} each"
-        )
+        hosts_word = f"{len(sizes)} {kind.upper()} host{'s' if len(sizes) != 1 else ''}"
+        reasons.append(f"{hosts_word} with {devices_word(kind, sum(sizes))} in all, at most {sizes[0]} on one host")
     kind = next(k for k in KINDS if any(h.device_kind == k for h in hosts))
     return (
         f"needs {need.nodes} node{'s' if need.nodes != 1 else ''} × {devices_word(kind, need.per_node)} "

@@ -45,17 +45,25 @@ def placement_of(run: Run) -> list[NodePlacement]:
 
 
 def place(need: Need, hosts: list[Host], free: dict[int, list[int]]) -> list[tuple[Host, list[int]]] | None:
-    """`need.nodes` distinct ready hosts of one kind with `need.per_node` free devices each, or None.
+    """A host and `need.per_node` free devices for each of the run's nodes, all of one kind, or None.
 
-    Best fit: the hosts with the fewest free devices that still hold a node, so large holes stay
-    for large runs. GPU hosts are tried before CPU hosts."""
+    Nodes go to distinct hosts while there are hosts to spread over (a lost host then costs the
+    run one node), and only then share one. Among those that hold a node, the host with the
+    fewest free devices is taken (best fit), so large holes stay for large runs. GPU hosts are
+    tried before CPU hosts."""
     for kind in KINDS:
-        fitting = sorted(
-            (h for h in hosts if h.device_kind == kind and len(free[h.pk]) >= need.per_node),
-            key=lambda h: (len(free[h.pk]), h.name),
-        )
-        if len(fitting) >= need.nodes:
-            return [(h, free[h.pk][: need.per_node]) for h in fitting[: need.nodes]]
+        left = {h.pk: list(free[h.pk]) for h in hosts if h.device_kind == kind}
+        gang: list[tuple[Host, list[int]]] = []
+        for _ in range(need.nodes):
+            used = {host.pk for host, _ in gang}
+            fitting = [h for h in hosts if h.pk in left and len(left[h.pk]) >= need.per_node]
+            if not fitting:
+                break
+            host = min(fitting, key=lambda h: (h.pk in used, len(left[h.pk]), h.name))
+            gang.append((host, left[host.pk][: need.per_node]))
+            left[host.pk] = left[host.pk][need.per_node :]
+        if len(gang) == need.nodes:
+            return gang
     return None
 
 
@@ -71,8 +79,8 @@ def waiting_reason(need: Need, hosts: list[Host], free: dict[int, list[int]]) ->
             reason += f" ({need.nodes} nodes × {need.per_node}, each node on one host)"
         reason += f", {total_free} free"
         if total_free >= need.total:
-            roomy = len([h for h in of_kind if len(free[h.pk]) >= need.per_node])
-            reason += f" but only {roomy} host{'s' if roomy != 1 else ''} with {need.per_node} free"
+            room = sum(len(free[h.pk]) // need.per_node for h in of_kind)
+            reason += f" but room for {room} node{'s' if room != 1 else ''} of {need.per_node} on one host"
         best = best or reason
     return best or "waiting: no ready host"
 

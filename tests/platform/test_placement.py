@@ -98,7 +98,10 @@ def test_a_run_that_can_never_fit_the_cluster_is_refused_naming_why(alice_api, t
     response = submit(alice_api, "too big", spec)
     assert response.status_code == 400
     message = response.json()["spec"]["nodes"][0]
-    assert "needs 2 nodes × 2 CPU slots" in message and "at most 1 CPU slot each" in message
+    assert (
+        "needs 2 nodes × 2 CPU slots" in message
+        and "2 CPU hosts with 2 CPU slots in all, at most 1 on one host" in message
+    )
     three_nodes = {
         "layout": {"dp": 3},
         "train": {"global_batch": 6},
@@ -162,6 +165,21 @@ def test_a_draining_or_lost_host_is_given_nothing(alice_api, two_hosts):
     run_id = submit(alice_api, "one", {"train": {"steps": 4, "warmup_steps": 2}}).json()["id"]
     assert schedule_and_start() == [run_id]
     assert set(DeviceClaim.objects.values_list("host__name", flat=True)) == {"b"}
+
+
+def test_nodes_spread_over_hosts_while_they_can_and_share_one_when_they_must(alice_api):
+    purge_host_queues()
+    add_host("a", 3, "10.9.0.11"), add_host("b", 1, "10.9.0.12")
+    spread = submit(alice_api, "spread", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [spread]
+    # Best fit first (b, the smaller hole), then another host rather than b again.
+    claims = sorted(DeviceClaim.objects.filter(run_id=spread).values_list("node", "host__name", "device"))
+    assert claims == [(0, "b", 0), (1, "a", 0)]
+    shared = submit(alice_api, "shared", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [shared]
+    claims = sorted(DeviceClaim.objects.filter(run_id=shared).values_list("node", "host__name", "device"))
+    assert claims == [(0, "a", 1), (1, "a", 2)]
+    purge_host_queues()
 
 
 def test_the_database_refuses_a_device_given_twice(django_user_model):
