@@ -1,0 +1,234 @@
+"""Several hosts on one machine: network namespaces the test creates, each running its own host
+worker at its own address, against a web process, a Celery worker and a Redis broker that
+listen on the test's bridge. A process in a namespace cannot reach the root namespace's
+127.0.0.1, so anything that assumed loopback between hosts fails here.
+
+Traffic goes only to loopback and to the addresses of the namespaces and bridge this test
+creates (one private /24 that no interface of the machine uses); every wait is bounded; the
+namespaces, the bridge and every process in them are removed at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from rest_framework.authtoken.models import Token
+
+from controlplane.web import web_command
+from hosts.models import Host
+from runs.models import Run
+from tests.platform.conftest import REPO, CeleryWorker, HostWorker, free_port, process_env, stop, wait_for_http
+from tests.platform.test_run_lifecycle import wait_until
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "netns-join-token"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@dataclass
+class Network:
+    """A bridge at <prefix>.1 and namespaces at <prefix>.11, .12, …"""
+
+    prefix: str
+    bridge: str
+    namespaces: list[str] = field(default_factory=list)
+
+    @property
+    def bridge_address(self) -> str:
+        return f"{self.prefix}.1"
+
+    def address(self, index: int) -> str:
+        return f"{self.prefix}.{11 + index}"
+
+    def add_namespace(self) -> str:
+        index = len(self.namespaces)
+        name, veth = f"fathom-h{index}-{self.bridge[-3:]}", f"fv{index}{self.bridge[-3:]}"
+        ip("netns", "add", name)
+        self.namespaces.append(name)
+        ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
+        ip("link", "set", f"{veth}p", "netns", name)
+        ip("link", "set", veth, "master", self.bridge)
+        ip("link", "set", veth, "up")
+        ip("netns", "exec", name, "ip", "addr", "add", f"{self.address(index)}/24", "dev", f"{veth}p")
+        ip("netns", "exec", name, "ip", "link", "set", f"{veth}p", "up")
+        ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        return name
+
+    def teardown(self) -> None:
+        for name in self.namespaces:
+            # Agents and ranks run in sessions of their own: end every process in the namespace.
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout
+            for pid in pids.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
+def unused_prefix() -> str:
+    """A 10.77.X /24 that no interface of this machine has an address in."""
+    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=30).stdout
+    for third in range(100, 200):
+        if f" 10.77.{third}." not in used:
+            return f"10.77.{third}"
+    raise RuntimeError("no free 10.77.X.0/24 for the test network")
+
+
+@pytest.fixture
+def network() -> Iterator[Network]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        raise RuntimeError("this test creates network namespaces: it needs root and iproute2")
+    prefix = unused_prefix()
+    net = Network(prefix, f"fbr{prefix.rsplit('.', 1)[1]}")
+    try:
+        ip("link", "add", net.bridge, "type", "bridge")
+        ip("addr", "add", f"{net.bridge_address}/24", "dev", net.bridge)
+        ip("link", "set", net.bridge, "up")
+        yield net
+    finally:
+        net.teardown()
+
+
+@dataclass
+class Cluster:
+    url: str
+    network: Network
+    hosts: list[HostWorker]
+    api: httpx.Client
+
+
+@pytest.fixture
+def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator[Cluster]:
+    """Two namespace hosts with two CPU slots each, joined to a control plane on the bridge."""
+    bridge = network.bridge_address
+    redis_port, web_port = free_port(), free_port()
+    url = f"http://{bridge}:{web_port}"
+    # Every process started from here on takes these (process_env copies os.environ).
+    monkeypatch.setenv("CELERY_BROKER_URL", f"redis://{bridge}:{redis_port}/0")
+    monkeypatch.setenv("ALLOWED_HOSTS", f"{bridge},127.0.0.1,localhost")
+    monkeypatch.setenv("FATHOM_JOIN_TOKEN", TOKEN)
+    monkeypatch.setenv("FATHOM_HOST_LOST_AFTER", "6")
+    processes: list[subprocess.Popen] = []
+    stoppers = []
+    try:
+        redis = subprocess.Popen(
+            ["redis-server", "--bind", bridge, "--port", str(redis_port), "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+            stdout=(tmp_path / "redis.log").open("ab"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        processes.append(redis)
+        with (tmp_path / "web.log").open("ab") as out:
+            web = subprocess.Popen(
+                web_command(web_port, bridge), cwd=REPO / "platform", env=process_env(FATHOM_PUBLIC_URL=url),
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        processes.append(web)
+        wait_for_http(f"{url}/login/", process=web)
+        worker = CeleryWorker(tmp_path / "worker.log", url, beat=True)
+        worker.start()
+        stoppers.append(worker.stop)
+        hosts = []
+        for index in range(2):
+            namespace = network.add_namespace()
+            host = HostWorker(
+                f"h{index}", tmp_path / f"host{index}.log", url, TOKEN, cpu_slots=2,
+                prefix=["ip", "netns", "exec", namespace],
+            )  # fmt: skip
+            host.start()
+            stoppers.append(host.stop)
+            hosts.append(host)
+        client = httpx.Client(
+            base_url=url,
+            headers={"Authorization": f"Token {Token.objects.get_or_create(user=alice)[0].key}"},
+            timeout=30,
+        )
+        wait_until(lambda: Host.objects.filter(status="ready").count() == 2, 120, "both hosts to join")
+        yield Cluster(url, network, hosts, client)
+    finally:
+        for stopper in reversed(stoppers):
+            stopper()
+        for process in reversed(processes):
+            stop(process)
+
+
+def losses(run_id: int) -> list[float]:
+    return list(
+        Run.objects.get(pk=run_id).events.filter(kind="metrics").order_by("seq").values_list("data__loss", flat=True)
+    )
+
+
+def submit(cluster: Cluster, name: str, spec: dict) -> httpx.Response:
+    return cluster.api.post("/api/runs/", json={"name": name, "spec": spec})
+
+
+def wait_finished(run_id: int, timeout: float = 600) -> Run:
+    wait_until(lambda: Run.objects.get(pk=run_id).status in Run.FINISHED, timeout, f"run {run_id} to end")
+    return Run.objects.get(pk=run_id)
+
+
+TRAIN = {"steps": 4, "warmup_steps": 2, "checkpoint_interval": 2, "global_batch": 8}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runs_span_namespace_hosts_at_their_own_addresses_and_wait_their_turn(cluster):
+    addresses = dict(Host.objects.values_list("name", "address"))
+    # Each host found its address by the route to the control plane: its namespace's own.
+    assert addresses == {"h0": cluster.network.address(0), "h1": cluster.network.address(1)}
+
+    # A dp2 run of two nodes spans both hosts, one rank each, and matches the same run on one.
+    spanning = submit(
+        cluster, "two hosts", {"layout": {"dp": 2}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 1}, "train": TRAIN}
+    )
+    assert spanning.status_code == 201, spanning.text
+    spanning_run = wait_finished(spanning.json()["id"])
+    assert spanning_run.status == "succeeded", spanning_run.status_reason
+    placed = spanning_run.events.get(kind="placed").data["nodes"]
+    assert sorted((n["host"], n["address"]) for n in placed) == sorted(addresses.items())
+    assert spanning_run.rendezvous.split(":")[0] in addresses.values()
+    rendezvous = list(spanning_run.events.filter(kind="rendezvous").values_list("data", flat=True))
+    assert sorted(r["node"] for r in rendezvous) == [0, 1] and {r["nodes"] for r in rendezvous} == {2}
+    assert list(spanning_run.checkpoints.values_list("step", flat=True)) == [2, 4]
+
+    single = wait_finished(submit(cluster, "one host", {"layout": {"dp": 2}, "train": TRAIN}).json()["id"])
+    assert single.status == "succeeded", single.status_reason
+    assert len(single.events.get(kind="placed").data["nodes"]) == 1
+    assert len(losses(spanning_run.pk)) == 4
+    assert losses(spanning_run.pk) == pytest.approx(losses(single.pk), rel=1e-6)
+
+    # More devices than the cluster has: refused at submit, saying why.
+    too_big = submit(
+        cluster,
+        "too big",
+        {
+            "layout": {"dp": 6},
+            "nodes": {"min": 2, "max": 2, "nproc_per_node": 3},
+            "train": {**TRAIN, "global_batch": 12},
+        },
+    )
+    assert too_big.status_code == 400
+    assert "the cluster has 2 CPU hosts with 4 CPU slots in all" in too_big.json()["spec"]["nodes"][0]
+
+    # Three runs that each take the whole cluster run one after another, never two at once.
+    whole = {"layout": {"dp": 4}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 2}, "train": TRAIN}
+    ids = [submit(cluster, f"whole {i}", whole).json()["id"] for i in range(3)]
+    wait_until(
+        lambda: Run.objects.get(pk=ids[1]).status_reason.startswith("waiting: needs 4 CPU slots"), 120, "the reason"
+    )
+    finished = [wait_finished(run_id) for run_id in ids]
+    assert [r.status for r in finished] == ["succeeded"] * 3
+    placed_at = [r.events.get(kind="placed").time for r in finished]
+    for before, after in zip(finished, placed_at[1:], strict=False):
+        assert before.finished_at <= after
+    assert cluster.api.get("/api/hosts/").json()["results"][0]["free"] == 2
