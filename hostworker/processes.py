@@ -61,15 +61,19 @@ class Processes:
         self._lock = threading.Lock()
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
-    def _read(self) -> dict[str, int]:
+    def _read(self) -> dict[str, dict[str, int]]:
+        """{key: {"pid", "launch"}} of what this host started and has not yet seen exit."""
         try:
-            return {k: int(v) for k, v in json.loads(self.state_file.read_text()).items()}
-        except (FileNotFoundError, ValueError):
+            return {
+                k: {"pid": int(v["pid"]), "launch": int(v["launch"])}
+                for k, v in json.loads(self.state_file.read_text()).items()
+            }
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
             return {}
 
-    def _write(self, pids: dict[str, int]) -> None:
+    def _write(self, processes: dict[str, dict[str, int]]) -> None:
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(pids, sort_keys=True))
+        tmp.write_text(json.dumps(processes, sort_keys=True))
         tmp.replace(self.state_file)
 
     def environment(self, devices: list[int], device_kind: str) -> dict[str, str]:
@@ -86,19 +90,25 @@ class Processes:
 
     def start(
         self, key: str, module: str, args: list[str], log_path: str, lock: str = "",
-        devices: list[int] | None = None, device_kind: str = "cpu",
+        devices: list[int] | None = None, device_kind: str = "cpu", launch: int = 0,
     ) -> int | None:  # fmt: skip
-        """Starts `python -m module args` unless the process for `key` runs; returns its pid."""
+        """Starts `python -m module args` for `key` (`launch`: which launch of it); returns its pid.
+
+        The same launch delivered twice starts once. A new launch of a key whose previous one
+        still runs (a run resumed while its old agent stops) waits up to 90 s for the old one's
+        lock instead of giving up at once."""
         if module not in MODULES:
             raise ValueError(f"{module!r} is not a module a host runs ({', '.join(MODULES)})")
         with self._lock:
-            pids = self._read()
-            if key in pids and is_alive(pids[key]):
-                log.info("%s already runs (pid %d)", key, pids[key])
+            known = self._read()
+            previous = known.get(key)
+            replacing = previous is not None and is_alive(previous["pid"])
+            if replacing and previous is not None and previous["launch"] == launch:
+                log.info("%s launch %d already runs (pid %d)", key, launch, previous["pid"])
                 return None
             command = [self.config.python, "-m", module, *args]
             if lock:
-                command = ["flock", "-n", "-E", "75", lock, *command]
+                command = ["flock", *(["-w", "90"] if replacing else ["-n"]), "-E", "75", lock, *command]
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as out:
                 process = subprocess.Popen(
@@ -106,14 +116,15 @@ class Processes:
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 )  # fmt: skip
             self._children[process.pid] = process
-            pids[key] = process.pid
-            self._write(pids)
-        log.info("started %s: %s (pid %d)", key, module, process.pid)
+            known[key] = {"pid": process.pid, "launch": launch}
+            self._write(known)
+        log.info("started %s: %s (pid %d, launch %d)", key, module, process.pid, launch)
         return process.pid
 
     def stop(self, key: str, sig: int = signal.SIGTERM) -> bool:
         """Signals the process group of `key` (SIGTERM: an agent stops its ranks cleanly)."""
-        pid = self._read().get(key)
+        known = self._read().get(key)
+        pid = known["pid"] if known else None
         if pid is None or not is_alive(pid):
             return False
         with contextlib.suppress(ProcessLookupError):
@@ -127,8 +138,8 @@ class Processes:
             if child.poll() is not None:
                 del self._children[pid]
         with self._lock:
-            pids = self._read()
-            alive = {key: pid for key, pid in pids.items() if is_alive(pid)}
-            if alive != pids:
+            known = self._read()
+            alive = {key: value for key, value in known.items() if is_alive(value["pid"])}
+            if alive != known:
                 self._write(alive)
-        return [{"key": key, "pid": pid} for key, pid in sorted(alive.items())]
+        return [{"key": key, **value} for key, value in sorted(alive.items())]

@@ -11,10 +11,10 @@ processes = Processes(config)
 @app.task(name="hostworker.tasks.start_process")
 def start_process(
     key: str, module: str, args: list[str], log: str, lock: str = "",
-    devices: list[int] | None = None, device_kind: str = "cpu",
+    devices: list[int] | None = None, device_kind: str = "cpu", launch: int = 0,
 ) -> int | None:  # fmt: skip
     """Starts a node agent, a rendezvous store or a replica supervisor by module, detached."""
-    return processes.start(key, module, args, log, lock=lock, devices=devices, device_kind=device_kind)
+    return processes.start(key, module, args, log, lock=lock, devices=devices, device_kind=device_kind, launch=launch)
 
 
 @app.task(name="hostworker.tasks.stop_process")

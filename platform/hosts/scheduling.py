@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from hosts.capacity import KINDS, Need, devices_word, need_of
 from hosts.models import DeviceClaim, Host
-from runs import services
+from runs import launcher, services
 from runs.models import Run
 
 
@@ -118,7 +118,11 @@ def schedule() -> list[int]:
         )
         for run in queue:
             need = need_of(run.spec)
-            if blocker is None:
+            if blocker is None and run.resume and launcher.agents_alive(run):
+                # Its previous agents are still stopping: their last events must land first.
+                reason = "waiting: its previous agents are still stopping"
+                blocker = run
+            elif blocker is None:
                 gang = place(need, ready, free)
                 if gang is not None:
                     if _claim(run, gang):

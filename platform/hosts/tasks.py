@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 
-from hosts import scheduling, services
+from hosts import recovery, scheduling, services
 from runs import launcher
 from runs.models import Run
 
@@ -27,5 +27,7 @@ def schedule_runs() -> list[int]:
 def watch_hosts() -> list[str]:
     """Marks silent hosts lost, then offers queued runs the free devices. Returns the lost."""
     lost = services.do_mark_lost(settings.HOST_LOST_AFTER_SECONDS)
+    for host in lost:
+        recovery.do_handle_lost_host(host)
     schedule_and_start()
     return [host.name for host in lost]

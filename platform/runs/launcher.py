@@ -71,6 +71,7 @@ def start_on_hosts(run: Run) -> None:
     so a start delivered twice starts one agent."""
     folder, token = prepare(run)
     Run.objects.filter(pk=run.pk).update(token_hash=hash_token(token))
+    launch = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
     run_dir = RunDir(folder)
     claims = list(DeviceClaim.objects.filter(run=run).select_related("host").order_by("node", "device"))
     nodes: dict[int, tuple[Host, list[int]]] = {}
@@ -82,7 +83,7 @@ def start_on_hosts(run: Run) -> None:
         send_to_host(first, "start_process", {
             "key": f"run-{run.pk}-store", "module": "training.agent.rendezvous_store",
             "args": ["--endpoint", run.rendezvous, "--run-dir", str(folder)],
-            "log": str(run_dir.rendezvous_store_log),
+            "log": str(run_dir.rendezvous_store_log), "launch": launch,
         })  # fmt: skip
         store_args = ["--host-store", "no"]
     for node, (host, devices) in sorted(nodes.items()):
@@ -90,6 +91,7 @@ def start_on_hosts(run: Run) -> None:
             "key": agent_key(run.pk, node), "module": "training.agent", "lock": str(run_dir.agent_lock(node)),
             "args": [*agent_arguments(run, folder, node, run.rendezvous, token), "--local-addr", host.address, *store_args],
             "log": str(run_dir.agent_log(node)), "devices": devices, "device_kind": host.device_kind,
+            "launch": launch,
         })  # fmt: skip
 
 
@@ -128,9 +130,11 @@ def agents_alive(run: Run) -> bool:
     if any(flock_held(lock) for lock in run.run_dir.agent_locks()):
         return True
     # On other hosts a lock may not be visible from here: their workers say what they run.
-    keys = {agent_key(run.pk, claim.node) for claim in DeviceClaim.objects.filter(run=run)}
-    return bool(keys) and any(
-        item.get("key") in keys for host in Host.objects.exclude(status=Host.Status.LOST) for item in host.running
+    prefix = agent_key(run.pk, 0).removesuffix("0")
+    return any(
+        str(item.get("key", "")).startswith(prefix)
+        for host in Host.objects.exclude(status=Host.Status.LOST)
+        for item in host.running
     )
 
 
@@ -144,7 +148,10 @@ def request_cancel(run: Run) -> None:
     a task to each host the run is placed on, or here for agents this host started)."""
     run.folder.mkdir(parents=True, exist_ok=True)
     run.run_dir.cancel_marker.touch()
-    placed = {claim.node: claim.host for claim in DeviceClaim.objects.filter(run=run).select_related("host")}
+    # Not to a lost host: its agents went with it, and a stop waiting in its queue could end a
+    # later launch there.
+    claims = DeviceClaim.objects.filter(run=run).exclude(host__status=Host.Status.LOST).select_related("host")
+    placed = {claim.node: claim.host for claim in claims}
     for node, host in sorted(placed.items()):
         send_to_host(host, "stop_process", {"key": agent_key(run.pk, node)})
     for pid in run.agent_pids:

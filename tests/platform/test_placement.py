@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import base64
 import json
+from datetime import timedelta
 
 import pytest
 import redis
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from hosts.models import DeviceClaim, Host
-from hosts.tasks import schedule_and_start
+from hosts.tasks import schedule_and_start, watch_hosts
 from runs import services
 from runs.models import Run
 from tests.platform.conftest import purge_broker
@@ -180,6 +182,47 @@ def test_nodes_spread_over_hosts_while_they_can_and_share_one_when_they_must(ali
     claims = sorted(DeviceClaim.objects.filter(run_id=shared).values_list("node", "host__name", "device"))
     assert claims == [(0, "a", 1), (1, "a", 2)]
     purge_host_queues()
+
+
+def test_a_lost_host_is_a_lost_node_the_run_goes_on_without_or_resumes_from_when_it_must(
+    alice_api, two_hosts, settings, django_capture_on_commit_callbacks
+):
+    settings.HOST_LOST_AFTER_SECONDS = 15
+    elastic = {**DP2_TWO_NODES, "nodes": {"min": 1, "max": 2, "nproc_per_node": 1}}
+    goes_on = submit(alice_api, "elastic", elastic).json()["id"]
+    assert schedule_and_start() == [goes_on]
+    Host.objects.update(last_seen=timezone.now())
+    Host.objects.filter(name="b").update(last_seen=timezone.now() - timedelta(seconds=16))
+    purge_host_queues()
+    assert watch_hosts() == ["b"]
+    run = Run.objects.get(pk=goes_on)
+    assert run.status == "starting"
+    assert run.events.get(kind="host_lost").data == {
+        "host": "b",
+        "address": "10.9.0.12",
+        "nodes": ["node-1"],
+        "nodes_left": 1,
+        "continues": True,
+    }
+    services.do_set_status(run, Run.Status.SUCCEEDED)
+
+    rigid = submit(alice_api, "rigid", DP2_TWO_NODES).json()["id"]
+    Host.objects.filter(name="b").update(status=Host.Status.READY, last_seen=timezone.now())
+    assert schedule_and_start() == [rigid]
+    Host.objects.filter(name="b").update(last_seen=timezone.now() - timedelta(seconds=16))
+    purge_host_queues()
+    with django_capture_on_commit_callbacks(execute=True):
+        assert watch_hosts() == ["b"]
+    run = Run.objects.get(pk=rigid)
+    assert run.events.get(kind="host_lost").data["continues"] is False
+    # Stopped where it still ran, failed with the reason, queued again to resume from its checkpoint.
+    assert ("hostworker.tasks.stop_process", {"key": f"run-{rigid}-node-0"}) in host_tasks("host.a")
+    assert all(task != "hostworker.tasks.stop_process" for task, _ in host_tasks("host.b"))
+    statuses = [e.data["status"] for e in run.events.filter(kind__in=["status", "queued"]).order_by("seq")]
+    assert statuses[-2:] == ["failed", "queued"]
+    assert (run.status, run.resume) == ("queued", True)
+    # b is lost and a has one slot: it waits, saying so.
+    assert run.status_reason == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 1 free"
 
 
 def test_the_database_refuses_a_device_given_twice(django_user_model):
