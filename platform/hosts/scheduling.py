@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
+from controlplane.events import publish_on_commit
 from hosts.capacity import KINDS, Need, devices_word, need_of
 from hosts.models import DeviceClaim, Host
 from runs import launcher, services
-from runs.models import Run
+from runs.models import Run, RunEvent
 
 
 @dataclass(frozen=True)
@@ -44,33 +45,35 @@ def placement_of(run: Run) -> list[NodePlacement]:
     ]
 
 
-def place(need: Need, hosts: list[Host], free: dict[int, list[int]]) -> list[tuple[Host, list[int]]] | None:
+def place(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]]) -> list[tuple[Host, list[int]]] | None:
     """A host and `need.per_node` free devices for each of the run's nodes, all of one kind, or None.
 
-    Nodes go to distinct hosts while there are hosts to spread over (a lost host then costs the
-    run one node), and only then share one. Among those that hold a node, the host with the
-    fewest free devices is taken (best fit), so large holes stay for large runs. GPU hosts are
-    tried before CPU hosts."""
+    `hosts`: the ready hosts by kind. Nodes go to distinct hosts while there are hosts to spread
+    over (a lost host then costs the run one node), and only then share one. Among those that
+    hold a node, the host with the fewest free devices is taken (best fit), so large holes stay
+    for large runs. GPU hosts are tried before CPU hosts."""
     for kind in KINDS:
-        left = {h.pk: list(free[h.pk]) for h in hosts if h.device_kind == kind}
+        left = {h.pk: free[h.pk] for h in hosts.get(kind, []) if len(free[h.pk]) >= need.per_node}
+        if sum(len(devices) // need.per_node for devices in left.values()) < need.nodes:
+            continue
+        by_pk = {h.pk: h for h in hosts[kind]}
         gang: list[tuple[Host, list[int]]] = []
+        used: set[int] = set()
         for _ in range(need.nodes):
-            used = {host.pk for host, _ in gang}
-            fitting = [h for h in hosts if h.pk in left and len(left[h.pk]) >= need.per_node]
-            if not fitting:
-                break
-            host = min(fitting, key=lambda h: (h.pk in used, len(left[h.pk]), h.name))
-            gang.append((host, left[host.pk][: need.per_node]))
-            left[host.pk] = left[host.pk][need.per_node :]
-        if len(gang) == need.nodes:
-            return gang
+            pk = min(
+                (pk for pk, devices in left.items() if len(devices) >= need.per_node),
+                key=lambda pk: (pk in used, len(left[pk]), by_pk[pk].name),
+            )
+            gang.append((by_pk[pk], left[pk][: need.per_node]))
+            left[pk] = left[pk][need.per_node :]
+            used.add(pk)
+        return gang
     return None
 
 
-def waiting_reason(need: Need, hosts: list[Host], free: dict[int, list[int]]) -> str:
-    best = ""
+def waiting_reason(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]]) -> str:
     for kind in KINDS:
-        of_kind = [h for h in hosts if h.device_kind == kind]
+        of_kind = hosts.get(kind, [])
         if not of_kind:
             continue
         total_free = sum(len(free[h.pk]) for h in of_kind)
@@ -81,20 +84,77 @@ def waiting_reason(need: Need, hosts: list[Host], free: dict[int, list[int]]) ->
         if total_free >= need.total:
             room = sum(len(free[h.pk]) // need.per_node for h in of_kind)
             reason += f" but room for {room} node{'s' if room != 1 else ''} of {need.per_node} on one host"
-        best = best or reason
-    return best or "waiting: no ready host"
+        return reason
+    return "waiting: no ready host"
 
 
-def _rendezvous_endpoint(address: str) -> str:
-    """A port on `address` that no active run's rendezvous holds."""
-    taken = {
-        endpoint.rpartition(":")[2]
-        for endpoint in Run.objects.filter(status__in=Run.ACTIVE, rendezvous__startswith=f"{address}:").values_list(
-            "rendezvous", flat=True
-        )
-    }
-    ports = [p for p in settings.RENDEZVOUS_PORTS if str(p) not in taken]
-    return f"{address}:{random.choice(ports)}"
+# The reason of every run behind the first that does not fit: one text, so a queue of thousands
+# is one UPDATE when it forms and none while it stays (the run holding it names its own reason).
+BEHIND = "waiting: behind an earlier run in the queue that does not fit yet"
+
+
+class Pass:
+    """What one scheduling pass knows: free devices per host, rendezvous ports in use, and the
+    claims and events of the runs it placed, written together at its end."""
+
+    def __init__(self, hosts: list[Host]) -> None:
+        claimed: dict[int, set[int]] = defaultdict(set)
+        for host_id, device in DeviceClaim.objects.values_list("host_id", "device"):
+            claimed[host_id].add(device)
+        self.free = {h.pk: [d for d in h.device_indexes if d not in claimed[h.pk]] for h in hosts}
+        self.ready: dict[str, list[Host]] = defaultdict(list)
+        for host in hosts:
+            if host.status == Host.Status.READY:
+                self.ready[host.device_kind].append(host)
+        self.ports: dict[str, set[str]] = defaultdict(set)
+        for endpoint in (
+            Run.objects.filter(status__in=Run.ACTIVE).exclude(rendezvous="").values_list("rendezvous", flat=True)
+        ):
+            address, _, port = endpoint.rpartition(":")
+            self.ports[address].add(port)
+        self.claims: list[DeviceClaim] = []
+        self.events: list[RunEvent] = []
+
+    def rendezvous_endpoint(self, address: str) -> str:
+        """A port on `address` that no active run's rendezvous holds."""
+        port = str(random.choice([p for p in settings.RENDEZVOUS_PORTS if str(p) not in self.ports[address]]))
+        self.ports[address].add(port)
+        return f"{address}:{port}"
+
+    def claim(self, run: Run, gang: list[tuple[Host, list[int]]]) -> bool:
+        """Moves the run to `starting` with its devices and rendezvous; False if it moved on."""
+        endpoint = self.rendezvous_endpoint(gang[0][0].address)
+        # Two events follow; their run-wide numbers are reserved in the same UPDATE.
+        if not Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED, cancel_requested=False).update(
+            status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
+            last_report_at=timezone.now(), rendezvous=endpoint, last_seq=F("last_seq") + 2,
+        ):  # fmt: skip
+            return False
+        first = Run.objects.values_list("last_seq", flat=True).get(pk=run.pk) - 1
+        for node, (host, devices) in enumerate(gang):
+            self.free[host.pk] = [d for d in self.free[host.pk] if d not in devices]
+            self.claims += [DeviceClaim(host=host, device=device, run=run, node=node) for device in devices]
+        nodes = [
+            {"node": node, "host": host.name, "address": host.address, "devices": devices}
+            for node, (host, devices) in enumerate(gang)
+        ]
+        now = timezone.now()
+        for seq, kind, data in (
+            (first, "placed", {"nodes": nodes}),
+            (first + 1, "status", {"status": Run.Status.STARTING, "reason": ""}),
+        ):
+            self.events.append(
+                RunEvent(
+                    run=run, seq=seq, source=services.CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data
+                )
+            )
+        return True
+
+    def write(self) -> None:
+        # The unique (host, device) constraint refuses a device given twice right here.
+        DeviceClaim.objects.bulk_create(self.claims, batch_size=1000)
+        for event in RunEvent.objects.bulk_create(self.events, batch_size=1000):
+            publish_on_commit(services.run_group(event.run_id), [event.as_message()])
 
 
 def schedule() -> list[int]:
@@ -107,58 +167,31 @@ def schedule() -> list[int]:
             return placed
         # Devices of runs that ended go back (normally done when they end; this catches the rest).
         DeviceClaim.objects.filter(run__status__in=Run.FINISHED).delete()
-        claimed: dict[int, set[int]] = defaultdict(set)
-        for host_id, device in DeviceClaim.objects.values_list("host_id", "device"):
-            claimed[host_id].add(device)
-        ready = [h for h in hosts if h.status == Host.Status.READY]
-        free = {h.pk: [d for d in h.device_indexes if d not in claimed[h.pk]] for h in hosts}
-        blocker: Run | None = None
+        this = Pass(hosts)
         queue = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).order_by(
             "-priority", "created_at", "pk"
         )
-        for run in queue:
+        for run in queue.iterator(chunk_size=200):
             need = need_of(run.spec)
-            if blocker is None and run.resume and launcher.agents_alive(run):
+            if run.resume and launcher.agents_alive(run):
                 # Its previous agents are still stopping: their last events must land first.
                 reason = "waiting: its previous agents are still stopping"
-                blocker = run
-            elif blocker is None:
-                gang = place(need, ready, free)
+            else:
+                gang = place(need, this.ready, this.free)
                 if gang is not None:
-                    if _claim(run, gang):
-                        for host, devices in gang:
-                            free[host.pk] = [d for d in free[host.pk] if d not in devices]
+                    if this.claim(run, gang):
                         placed.append(run.pk)
                     continue
-                reason = waiting_reason(need, ready, free)
-                blocker = run
-            else:
-                reason = f"waiting: behind run {blocker.pk} ({blocker.name}) in the queue"
+                reason = waiting_reason(need, this.ready, this.free)
             if run.status_reason != reason:
                 Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED).update(status_reason=reason)
                 services.do_record_event(run, "waiting", {"reason": reason})
+            # The runs behind it wait for it (no small run starves a large one).
+            queue.filter(
+                Q(priority__lt=run.priority)
+                | Q(priority=run.priority, created_at__gt=run.created_at)
+                | Q(priority=run.priority, created_at=run.created_at, pk__gt=run.pk)
+            ).exclude(status_reason=BEHIND).update(status_reason=BEHIND)
+            break
+        this.write()
     return placed
-
-
-def _claim(run: Run, gang: list[tuple[Host, list[int]]]) -> bool:
-    """Gives the run its devices and moves it to `starting`, together; False if it moved on."""
-    if not Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED, cancel_requested=False).update(
-        status=Run.Status.STARTING,
-        status_reason="",
-        launch_attempts=F("launch_attempts") + 1,
-        last_report_at=timezone.now(),
-        rendezvous=_rendezvous_endpoint(gang[0][0].address),
-    ):
-        return False
-    DeviceClaim.objects.bulk_create(
-        DeviceClaim(host=host, device=device, run=run, node=node)
-        for node, (host, devices) in enumerate(gang)
-        for device in devices
-    )
-    nodes = [
-        {"node": node, "host": host.name, "address": host.address, "devices": devices}
-        for node, (host, devices) in enumerate(gang)
-    ]
-    services.do_record_event(run, "placed", {"nodes": nodes})
-    services.do_record_event(run, "status", {"status": Run.Status.STARTING, "reason": ""})
-    return True

@@ -65,15 +65,20 @@ class Network:
         ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
         return name
 
+    def kill_everything_in(self, name: str) -> int:
+        """SIGKILL to every process in namespace `name` (agents and ranks run in sessions of
+        their own, so stopping the host worker does not end them); returns how many."""
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(pids.split())
+
     def teardown(self) -> None:
         for name in self.namespaces:
-            # Agents and ranks run in sessions of their own: end every process in the namespace.
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout
-            for pid in pids.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self.kill_everything_in(name)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
 
@@ -121,6 +126,7 @@ def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator
     monkeypatch.setenv("ALLOWED_HOSTS", f"{bridge},127.0.0.1,localhost")
     monkeypatch.setenv("FATHOM_JOIN_TOKEN", TOKEN)
     monkeypatch.setenv("FATHOM_HOST_LOST_AFTER", "6")
+    monkeypatch.setenv("FATHOM_SCHEDULE_INTERVAL", "1")
     processes: list[subprocess.Popen] = []
     stoppers = []
     try:
@@ -232,3 +238,31 @@ def test_runs_span_namespace_hosts_at_their_own_addresses_and_wait_their_turn(cl
     for before, after in zip(finished, placed_at[1:], strict=False):
         assert before.finished_at <= after
     assert cluster.api.get("/api/hosts/").json()["results"][0]["free"] == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_killed_mid_run_is_marked_lost_and_the_run_goes_on_on_the_other(cluster):
+    spec = {
+        "layout": {"dp": 2},
+        "nodes": {"min": 1, "max": 2, "nproc_per_node": 1},
+        "train": {"steps": 30, "warmup_steps": 2, "checkpoint_interval": 5, "global_batch": 8},
+    }
+    run_id = submit(cluster, "survives", spec).json()["id"]
+    wait_until(lambda: Run.objects.get(pk=run_id).step >= 3, 300, "the run to train on both hosts")
+    placed = {n["node"]: n["host"] for n in Run.objects.get(pk=run_id).events.get(kind="placed").data["nodes"]}
+    victim = placed[1]  # node 0's host keeps the rendezvous store
+    namespace = cluster.network.namespaces[int(victim.removeprefix("h"))]
+    # The host worker of B and the agent and rank it started go at once, as with a power cut.
+    assert cluster.network.kill_everything_in(namespace) >= 3
+
+    wait_until(lambda: Host.objects.get(name=victim).status == "lost", 30, f"{victim} to be marked lost")
+    run = wait_finished(run_id)
+    assert run.status == "succeeded", run.status_reason
+    lost = run.events.get(kind="host_lost").data
+    assert (lost["host"], lost["nodes"], lost["nodes_left"], lost["continues"]) == (victim, ["node-1"], 1, True)
+    assert run.events.filter(kind="restarting").exists()
+    # Node 0 met again alone (before or after the control plane marked the host lost).
+    assert 1 in {r["nodes"] for r in run.events.filter(kind="rendezvous").values_list("data", flat=True)}
+    assert run.step == 30
+    hosts = {h["name"]: h for h in cluster.api.get("/api/hosts/").json()["results"]}
+    assert hosts[victim]["status"] == "lost" and hosts[placed[0]]["status"] == "ready"
