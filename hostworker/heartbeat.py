@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import urllib.error
 import urllib.request
@@ -54,6 +55,7 @@ class Heartbeat:
             "address": self.config.address,
             "devices": self.devices,
             "labels": self.config.labels,
+            "cores": os.cpu_count() or 1,
             "running": self.processes.running(),
         }
 

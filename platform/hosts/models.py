@@ -23,6 +23,7 @@ class Host(models.Model):
     address = models.CharField(max_length=255, help_text="Where other hosts and the control plane reach it.")
     devices = models.JSONField(default=list)
     labels = models.JSONField(default=dict, blank=True)
+    cores = models.IntegerField(default=0, help_text="CPU cores the host reports (CPU replicas are pinned to them).")
     running = models.JSONField(default=list, blank=True, help_text="What the host worker last said it runs.")
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.READY, db_index=True)
     last_seen = models.DateTimeField(null=True, blank=True)
@@ -53,18 +54,30 @@ class Host(models.Model):
 
 
 class DeviceClaim(models.Model):
-    """One device of one host given to one node of a run. The unique (host, device) pair is what
-    makes double-booking impossible whatever the schedulers do: a second claim fails to insert."""
+    """One device of one host given to one node of a run, or to one replica of a deployment. The
+    unique (host, device) pair is what makes double-booking impossible whatever the schedulers
+    do: a second claim fails to insert."""
 
     host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="claims")
     device = models.IntegerField()
-    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="device_claims")
-    node = models.IntegerField(help_text="The run's node rank this device belongs to.")
+    run = models.ForeignKey("runs.Run", null=True, blank=True, on_delete=models.CASCADE, related_name="device_claims")
+    deployment = models.ForeignKey(
+        "deployments.Deployment", null=True, blank=True, on_delete=models.CASCADE, related_name="device_claims"
+    )
+    node = models.IntegerField(help_text="The run's node rank, or the deployment's replica index, this device serves.")
     claimed_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        ordering = ["run", "node", "device"]
-        constraints = [models.UniqueConstraint(fields=["host", "device"], name="device_claim_host_device_unique")]
+        ordering = ["run", "deployment", "node", "device"]
+        constraints = [
+            models.UniqueConstraint(fields=["host", "device"], name="device_claim_host_device_unique"),
+            models.CheckConstraint(
+                condition=models.Q(run__isnull=False, deployment__isnull=True)
+                | models.Q(run__isnull=True, deployment__isnull=False),
+                name="device_claim_for_a_run_or_a_deployment",
+            ),
+        ]
 
     def __str__(self) -> str:
-        return f"{self.host.name}:{self.device} → run {self.run_id} node {self.node}"
+        holder = f"run {self.run_id} node" if self.run_id else f"deployment {self.deployment_id} replica"
+        return f"{self.host.name}:{self.device} → {holder} {self.node}"

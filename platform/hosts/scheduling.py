@@ -195,3 +195,28 @@ def schedule() -> list[int]:
             break
         this.write()
     return placed
+
+
+def place_deployment(deployment_id: int, replicas: int, kind: str) -> tuple[Host, list[int]] | str:
+    """One ready host of `kind` ("gpu" or "cpu") with a free device for each replica, claimed for
+    the deployment in one transaction (host rows locked, as for runs); or why there is none.
+
+    A deployment's replicas share one supervisor, so they share one host; a deployment waits in
+    no queue: one that does not fit now fails, saying why."""
+    with transaction.atomic():
+        hosts = list(Host.objects.select_for_update().order_by("pk"))
+        DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"]).delete()
+        this = Pass(hosts)
+        gang = place(Need(nodes=1, per_node=replicas), {kind: this.ready.get(kind, [])}, this.free)
+        if gang is None:
+            most = max((len(this.free[h.pk]) for h in this.ready.get(kind, [])), default=0)
+            return (
+                f"no ready host has {devices_word(kind, replicas)} free for {replicas} replica"
+                f"{'s' if replicas != 1 else ''} (one host runs a deployment; the most free on one is {most})"
+            )
+        host, devices = gang[0]
+        DeviceClaim.objects.bulk_create(
+            DeviceClaim(host=host, device=device, deployment_id=deployment_id, node=index)
+            for index, device in enumerate(devices)
+        )
+    return host, devices

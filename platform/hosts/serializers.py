@@ -24,6 +24,7 @@ class HeartbeatSerializer(serializers.Serializer):
     address = Text(max_length=255, help_text="The address other hosts and the control plane reach it at.")
     devices = DeviceSerializer(many=True, max_length=4096)  # type: ignore[call-arg]
     labels = serializers.DictField(child=Text(max_length=200, allow_blank=True), required=False, default=dict)
+    cores = serializers.IntegerField(min_value=0, max_value=65536, required=False, default=0)
     running = serializers.ListField(child=serializers.DictField(), required=False, default=list, max_length=10000)
 
     def validate_devices(self, devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -36,7 +37,7 @@ class HeartbeatSerializer(serializers.Serializer):
 class ClaimSerializer(ModelSerializer):
     class Meta:
         model = DeviceClaim
-        fields = ["device", "run", "node"]
+        fields = ["device", "run", "deployment", "node"]
 
 
 class HostSerializer(ModelSerializer):
@@ -47,7 +48,7 @@ class HostSerializer(ModelSerializer):
     class Meta:
         model = Host
         fields = [
-            "id", "name", "address", "status", "kind", "devices", "free", "claims", "labels", "running",
+            "id", "name", "address", "status", "kind", "devices", "cores", "free", "claims", "labels", "running",
             "last_seen", "registered_at",
         ]  # fmt: skip
         read_only_fields = fields

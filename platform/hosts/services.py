@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def do_heartbeat(
-    name: str, address: str, devices: list[dict[str, Any]], labels: dict[str, str], running: list[Any]
+    name: str, address: str, devices: list[dict[str, Any]], labels: dict[str, str], running: list[Any], cores: int = 0
 ) -> Host:
     """Registers the host on its first beat, refreshes it on the next ones. A lost host that
     beats again is ready again; a draining one stays draining until an administrator undrains it."""
@@ -25,13 +25,21 @@ def do_heartbeat(
     with transaction.atomic():
         host, created = Host.objects.select_for_update().get_or_create(
             name=name,
-            defaults={"address": address, "devices": devices, "labels": labels, "running": running, "last_seen": now},
+            defaults={
+                "address": address,
+                "devices": devices,
+                "labels": labels,
+                "running": running,
+                "last_seen": now,
+                "cores": cores,
+            },
         )
         if created:
             log.info("host %s joined at %s with %d devices", name, address, len(devices))
         else:
             came_back = host.status == Host.Status.LOST
             grew = host.devices != devices or host.address != address
+            host.cores = cores
             host.address, host.devices, host.labels, host.running, host.last_seen = (
                 address,
                 devices,

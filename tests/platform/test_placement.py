@@ -14,10 +14,13 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from deployments import services as deployment_services
+from deployments.models import Deployment
 from hosts.models import DeviceClaim, Host
+from hosts.scheduling import place_deployment
 from hosts.tasks import schedule_and_start, watch_hosts
 from runs import services
-from runs.models import Run
+from runs.models import Checkpoint, Run
 from tests.platform.conftest import purge_broker
 
 pytestmark = pytest.mark.django_db
@@ -225,6 +228,27 @@ def test_a_lost_host_is_a_lost_node_the_run_goes_on_without_or_resumes_from_when
     assert (run.status, run.resume) == ("queued", True)
     # b is lost and a has one slot: it waits, saying so.
     assert run.status_reason == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 1 free"
+
+
+def test_a_deployments_replicas_take_a_device_each_on_one_host_and_give_them_back(alice, alice_api, two_hosts):
+    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    deployment = Deployment.objects.create(
+        owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=2
+    )
+    # Two replicas share one supervisor, so one host: two hosts of one slot cannot hold them.
+    assert place_deployment(deployment.pk, 2, "cpu") == (
+        "no ready host has 2 CPU slots free for 2 replicas (one host runs a deployment; the most free on one is 1)"
+    )
+    host, devices = place_deployment(deployment.pk, 1, "cpu")
+    assert (host.name, devices) == ("a", [0])
+    # A run of two nodes now waits for the slot the replica holds.
+    waiting = submit(alice_api, "waits", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == []
+    assert Run.objects.get(pk=waiting).status_reason.endswith(", 1 free")
+    deployment_services.do_set_status(deployment, Deployment.Status.STOPPED, only_from=Deployment.Status.values)
+    assert not DeviceClaim.objects.filter(deployment=deployment).exists()
+    assert schedule_and_start() == [waiting]
 
 
 def test_the_database_refuses_a_device_given_twice(django_user_model):

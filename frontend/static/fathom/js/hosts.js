@@ -16,7 +16,7 @@ function runsCell(host) {
   // Claims name the run and node each device is given to.
   const nodes = new Map();
   for (const claim of host.claims) {
-    const key = `run ${claim.run} node ${claim.node}`;
+    const key = claim.run ? `run ${claim.run} node ${claim.node}` : `deployment ${claim.deployment} replica ${claim.node}`;
     nodes.set(key, [...(nodes.get(key) ?? []), claim.device]);
   }
   if (!nodes.size) return "–";
