@@ -85,8 +85,10 @@ def reconcile_runs() -> int:
     """Re-sends lost launches; fails runs whose agents died or went silent. Returns failures."""
     now = timezone.now()
     silence = timedelta(seconds=settings.AGENT_SILENCE_TIMEOUT_SECONDS)
-    for run in Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False, created_at__lt=now - LAUNCH_GRACE):
-        launch_run.delay(run.pk)
+    if not capacity.cluster_exists():
+        # (On hosts, queued runs wait for room: beat's watch_hosts offers it to them every pass.)
+        for run in Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False, created_at__lt=now - LAUNCH_GRACE):
+            launch_run.delay(run.pk)
     failed = 0
     for run in Run.objects.filter(status__in=[Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING]):
         if launcher.agents_alive(run):

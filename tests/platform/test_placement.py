@@ -21,6 +21,7 @@ from hosts.scheduling import place_deployment
 from hosts.tasks import schedule_and_start, watch_hosts
 from runs import services
 from runs.models import Checkpoint, Run
+from runs.tasks import reconcile_runs
 from tests.platform.conftest import purge_broker
 
 pytestmark = pytest.mark.django_db
@@ -249,6 +250,17 @@ def test_a_deployments_replicas_take_a_device_each_on_one_host_and_give_them_bac
     deployment_services.do_set_status(deployment, Deployment.Status.STOPPED, only_from=Deployment.Status.values)
     assert not DeviceClaim.objects.filter(deployment=deployment).exists()
     assert schedule_and_start() == [waiting]
+
+
+def test_reconcile_leaves_waiting_runs_to_the_scheduler_once_hosts_exist(alice_api, two_hosts):
+    first = submit(alice_api, "first", DP2_TWO_NODES).json()["id"]
+    waiting = submit(alice_api, "waiting", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [first]
+    Run.objects.filter(pk=waiting).update(created_at=timezone.now() - timedelta(minutes=5))
+    purge_host_queues()
+    reconcile_runs()
+    # Without hosts it re-sends launches a dead worker lost; here a waiting run only waits.
+    assert [m for m in _queued_messages("celery") if m["headers"]["task"] == "runs.tasks.launch_run"] == []
 
 
 def test_the_database_refuses_a_device_given_twice(django_user_model):
