@@ -16,6 +16,7 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -107,12 +108,35 @@ def network() -> Iterator[Network]:
         net.teardown()
 
 
+class Broker:
+    """A Redis that keeps nothing on disk, on the bridge only: restarting it loses what it held."""
+
+    def __init__(self, address: str, port: int, log: Path) -> None:
+        self.command = ["redis-server", "--bind", address, "--port", str(port), "--save", "", "--appendonly", "no",
+                        "--protected-mode", "no"]  # fmt: skip
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
 @dataclass
 class Cluster:
     url: str
     network: Network
     hosts: list[HostWorker]
     api: httpx.Client
+    broker: Broker
 
 
 @pytest.fixture
@@ -130,11 +154,9 @@ def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator
     processes: list[subprocess.Popen] = []
     stoppers = []
     try:
-        redis = subprocess.Popen(
-            ["redis-server", "--bind", bridge, "--port", str(redis_port), "--save", "", "--appendonly", "no", "--protected-mode", "no"],
-            stdout=(tmp_path / "redis.log").open("ab"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        processes.append(redis)
+        broker = Broker(bridge, redis_port, tmp_path / "redis.log")
+        broker.start()
+        stoppers.append(broker.stop)
         with (tmp_path / "web.log").open("ab") as out:
             web = subprocess.Popen(
                 web_command(web_port, bridge), cwd=REPO / "platform", env=process_env(FATHOM_PUBLIC_URL=url),
@@ -161,7 +183,7 @@ def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator
             timeout=30,
         )
         wait_until(lambda: Host.objects.filter(status="ready").count() == 2, 120, "both hosts to join")
-        yield Cluster(url, network, hosts, client)
+        yield Cluster(url, network, hosts, client, broker)
     finally:
         for stopper in reversed(stoppers):
             stopper()
@@ -266,3 +288,72 @@ def test_a_host_killed_mid_run_is_marked_lost_and_the_run_goes_on_on_the_other(c
     assert run.step == 30
     hosts = {h["name"]: h for h in cluster.api.get("/api/hosts/").json()["results"]}
     assert hosts[victim]["status"] == "lost" and hosts[placed[0]]["status"] == "ready"
+
+
+@pytest.mark.vllm
+@pytest.mark.django_db(transaction=True)
+def test_a_deployment_on_a_namespace_host_answers_through_the_control_planes_v1_and_stops_there(cluster):
+    trained = submit(cluster, "servable", {"train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 6}}).json()
+    wait_until(
+        lambda: (c := cluster.api.get(f"/api/runs/{trained['id']}/checkpoints/").json()) and c[-1]["export_path"],
+        600, "the trained run's export",
+    )  # fmt: skip
+    checkpoint = cluster.api.get(f"/api/runs/{trained['id']}/checkpoints/").json()[-1]
+    options = {"dtype": "float32", "enforce_eager": True, "max_model_len": 64, "max_num_seqs": 4, "kv_cache_gib": 1}
+    body = {"checkpoint": checkpoint["id"], "replicas": 2, "options": options, "served_model_name": "spread"}
+    created = cluster.api.post("/api/deployments/", json=body)
+    assert created.status_code == 201, created.text
+    deployment_id = created.json()["id"]
+    try:
+        wait_until(
+            lambda: cluster.api.get(f"/api/deployments/{deployment_id}/").json()["status"] in ("ready", "failed"),
+            900, "two ready replicas",
+        )  # fmt: skip
+        deployment = cluster.api.get(f"/api/deployments/{deployment_id}/").json()
+        assert deployment["status"] == "ready", deployment
+        events = cluster.api.get(f"/api/deployments/{deployment_id}/events/").json()
+        placed = next(e["data"] for e in events if e["kind"] == "placed")
+        # Both replicas listen on their host's own address, where the web process reaches them.
+        assert placed["address"] in (cluster.network.address(0), cluster.network.address(1))
+        assert {r["url"].split("//")[1].split(":")[0] for r in deployment["replica_set"]} == {placed["address"]}
+        key = cluster.api.post(f"/api/deployments/{deployment_id}/keys/", json={"name": "t"}).json()["key"]
+        chat = httpx.post(
+            f"{cluster.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+            json={"model": "spread", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 5},
+        )  # fmt: skip
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["content"] is not None
+        host = next(h for h in cluster.api.get("/api/hosts/").json()["results"] if h["name"] == placed["host"])
+        assert sorted(c["node"] for c in host["claims"] if c["deployment"] == deployment_id) == [0, 1]
+        assert f"deployment-{deployment_id}" in {p["key"] for p in host["running"]}
+    finally:
+        cluster.api.post(f"/api/deployments/{deployment_id}/stop/")
+        wait_until(
+            lambda: cluster.api.get(f"/api/deployments/{deployment_id}/").json()["status"] == "stopped", 180, "the stop"
+        )
+    replicas = cluster.api.get(f"/api/deployments/{deployment_id}/").json()["replica_set"]
+    assert [r["status"] for r in replicas] == ["stopped", "stopped"]
+    # The supervisor stopped on its host, and the host's slots are free again.
+    wait_until(
+        lambda: all(
+            not h["claims"] and f"deployment-{deployment_id}" not in {p["key"] for p in h["running"]}
+            for h in cluster.api.get("/api/hosts/").json()["results"]
+        ),
+        60, "the host to report the supervisor gone",
+    )  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_broker_restarted_while_a_launch_is_in_flight_starts_the_run_exactly_once(cluster):
+    spec = {"layout": {"dp": 2}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 1}, "train": TRAIN}
+    run_id = submit(cluster, "through a restart", spec).json()["id"]
+    # The launch task, or the start tasks it sends to the hosts, are in the broker now: a restart
+    # loses them (it keeps nothing on disk). Placement runs from beat too, and a run that was
+    # placed but never started is launched again by the reconcile task.
+    cluster.broker.restart()
+    run = wait_finished(run_id, timeout=900)
+    assert run.status == "succeeded", run.status_reason
+    started = sorted(run.events.filter(kind="agent_started").values_list("data__node", flat=True))
+    assert started == [0, 1]
+    assert list(run.events.filter(kind="metrics").values_list("data__step", flat=True)) == [1, 2, 3, 4]
+    assert run.events.filter(kind="placed").count() == 1
