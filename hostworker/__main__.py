@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 FLAGS = {
     "name": "FATHOM_HOST_NAME",
@@ -40,11 +41,19 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("FATHOM_JOIN_TOKEN is not set: a host joins only with the cluster's join token")
         return 2
     heartbeat = Heartbeat(config, processes)
-    try:
-        heartbeat.register()
-    except JoinRefused as exc:
-        logging.error("%s", exc)
-        return 2
+    while True:
+        try:
+            heartbeat.register()
+            break
+        except JoinRefused as exc:
+            logging.error("%s", exc)
+            return 2
+        except OSError as exc:
+            # The control plane may be starting, or restarting: a host keeps asking to join.
+            logging.warning(
+                "cannot reach %s yet (%s); trying again in %.0f s", config.control_url, exc, config.heartbeat_s
+            )
+            time.sleep(config.heartbeat_s)
     heartbeat.start()
     try:
         app.worker_main(

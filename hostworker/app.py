@@ -8,7 +8,9 @@ from hostworker.config import HostConfig
 
 
 def make_app(config: HostConfig) -> Celery:
-    app = Celery("fathom-host", broker=config.broker_url, include=["hostworker.tasks"])
+    # No fixups: Celery's Django fixup would load Django settings wherever DJANGO_SETTINGS_MODULE
+    # happens to be set, and a host has none.
+    app = Celery("fathom-host", broker=config.broker_url, include=["hostworker.tasks"], fixups=[])
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],

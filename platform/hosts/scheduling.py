@@ -52,21 +52,22 @@ def place(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]]) 
     over (a lost host then costs the run one node), and only then share one. Among those that
     hold a node, the host with the fewest free devices is taken (best fit), so large holes stay
     for large runs. GPU hosts are tried before CPU hosts."""
+    # (`id`, a plain attribute, not `pk`, a property: this runs for every host for every run.)
     for kind in KINDS:
-        left = {h.pk: free[h.pk] for h in hosts.get(kind, []) if len(free[h.pk]) >= need.per_node}
+        left = {h.id: free[h.id] for h in hosts.get(kind, []) if len(free[h.id]) >= need.per_node}
         if sum(len(devices) // need.per_node for devices in left.values()) < need.nodes:
             continue
-        by_pk = {h.pk: h for h in hosts[kind]}
+        by_id = {h.id: h for h in hosts[kind] if h.id in left}
         gang: list[tuple[Host, list[int]]] = []
         used: set[int] = set()
         for _ in range(need.nodes):
-            pk = min(
-                (pk for pk, devices in left.items() if len(devices) >= need.per_node),
-                key=lambda pk: (pk in used, len(left[pk]), by_pk[pk].name),
+            chosen = min(
+                (i for i, devices in left.items() if len(devices) >= need.per_node),
+                key=lambda i: (i in used, len(left[i]), by_id[i].name),
             )
-            gang.append((by_pk[pk], left[pk][: need.per_node]))
-            left[pk] = left[pk][need.per_node :]
-            used.add(pk)
+            gang.append((by_id[chosen], left[chosen][: need.per_node]))
+            left[chosen] = left[chosen][need.per_node :]
+            used.add(chosen)
         return gang
     return None
 
@@ -124,13 +125,16 @@ class Pass:
     def claim(self, run: Run, gang: list[tuple[Host, list[int]]]) -> bool:
         """Moves the run to `starting` with its devices and rendezvous; False if it moved on."""
         endpoint = self.rendezvous_endpoint(gang[0][0].address)
-        # Two events follow; their run-wide numbers are reserved in the same UPDATE.
-        if not Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED, cancel_requested=False).update(
+        # Two events follow; their run-wide numbers are reserved in the same UPDATE, which holds
+        # only if nobody numbered an event of the run since it was read (else: the next pass).
+        if not Run.objects.filter(
+            pk=run.pk, status=Run.Status.QUEUED, cancel_requested=False, last_seq=run.last_seq
+        ).update(
             status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
-            last_report_at=timezone.now(), rendezvous=endpoint, last_seq=F("last_seq") + 2,
+            last_report_at=timezone.now(), rendezvous=endpoint, last_seq=run.last_seq + 2,
         ):  # fmt: skip
             return False
-        first = Run.objects.values_list("last_seq", flat=True).get(pk=run.pk) - 1
+        first = run.last_seq + 1
         for node, (host, devices) in enumerate(gang):
             self.free[host.pk] = [d for d in self.free[host.pk] if d not in devices]
             self.claims += [DeviceClaim(host=host, device=device, run=run, node=node) for device in devices]
