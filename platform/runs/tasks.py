@@ -70,6 +70,9 @@ def _launch_on_hosts(run_id: int) -> str:
         return f"run {run_id} is {run.status}; nothing to do"
     if not run.device_claims.exists():
         return f"run {run_id} holds no devices; nothing to do"
+    if run.cancel_requested:
+        services.do_set_status(run, Run.Status.CANCELLED, "cancelled before its agents started", only_from=[run.status])
+        return f"run {run_id} cancelled"
     Run.objects.filter(pk=run_id).update(launch_attempts=F("launch_attempts") + 1, last_report_at=timezone.now())
     launcher.start_on_hosts(run)
     return f"run {run_id}: start tasks sent again"

@@ -21,7 +21,7 @@ from hosts.scheduling import place_deployment
 from hosts.tasks import schedule_and_start, watch_hosts
 from runs import services
 from runs.models import Checkpoint, Run
-from runs.tasks import reconcile_runs
+from runs.tasks import LAUNCH_GRACE, launch_run, reconcile_runs
 from tests.platform.conftest import purge_broker
 
 pytestmark = pytest.mark.django_db
@@ -261,6 +261,24 @@ def test_reconcile_leaves_waiting_runs_to_the_scheduler_once_hosts_exist(alice_a
     reconcile_runs()
     # Without hosts it re-sends launches a dead worker lost; here a waiting run only waits.
     assert [m for m in _queued_messages("celery") if m["headers"]["task"] == "runs.tasks.launch_run"] == []
+
+
+def test_a_placed_run_whose_agents_never_started_is_sent_again_unless_it_was_cancelled(alice_api, two_hosts):
+    run_id = submit(alice_api, "lost start", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [run_id]
+    # Its start tasks were lost (a broker without redelivery, a dead host worker): past the
+    # grace, the launch task (as reconcile re-sends it) sends them again, with a new launch number.
+    purge_host_queues()
+    Run.objects.filter(pk=run_id).update(last_report_at=timezone.now() - LAUNCH_GRACE * 2)
+    assert launch_run(run_id) == f"run {run_id}: start tasks sent again"
+    assert [kwargs["launch"] for _, kwargs in host_tasks("host.b")] == [2]
+    # Cancelled meanwhile: it ends instead, and its devices go back.
+    purge_host_queues()
+    Run.objects.filter(pk=run_id).update(cancel_requested=True, last_report_at=timezone.now() - LAUNCH_GRACE * 2)
+    launch_run(run_id)
+    assert Run.objects.get(pk=run_id).status == "cancelled"
+    assert host_tasks("host.a") == host_tasks("host.b") == []
+    assert not DeviceClaim.objects.exists()
 
 
 def test_the_database_refuses_a_device_given_twice(django_user_model):
