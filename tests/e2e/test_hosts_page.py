@@ -23,7 +23,8 @@ def test_the_hosts_page_shows_each_hosts_status_devices_runs_and_last_heartbeat(
         now = timezone.now()
         run = Run.objects.create(owner=alice, name="big", spec={}, status="running")
         gpus = [{"index": i, "kind": "gpu", "model": "NVIDIA H100 80GB HBM3", "memory_mb": 81559} for i in range(2)]
-        a = Host.objects.create(name="gpu-a", address="10.9.0.11", devices=gpus, last_seen=now)
+        running = [{"key": f"run-{run.pk}-node-0", "pid": 4242, "launch": 1}]
+        a = Host.objects.create(name="gpu-a", address="10.9.0.11", devices=gpus, running=running, last_seen=now)
         cpus = [{"index": i, "kind": "cpu"} for i in range(2)]
         Host.objects.create(
             name="cpu-b", address="10.9.0.12", devices=cpus, status="lost", last_seen=now - timedelta(minutes=3)
@@ -41,6 +42,7 @@ def test_the_hosts_page_shows_each_hosts_status_devices_runs_and_last_heartbeat(
     expect(gpu_host).to_contain_text("10.9.0.11")
     expect(gpu_host).to_contain_text("1 of 2 GPUs free (NVIDIA H100 80GB HBM3)")
     expect(gpu_host).to_contain_text(f"run {run_id} node 0: device 1")
+    expect(gpu_host).to_contain_text(f"run-{run_id}-node-0")
     expect(gpu_host).to_contain_text("s ago")
     cpu_host = page.locator('tr[data-host="cpu-b"]')
     expect(cpu_host).to_contain_text("lost")

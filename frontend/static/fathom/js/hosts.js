@@ -1,4 +1,5 @@
-// The hosts list, refreshed while open: devices (free of all), what runs there, last heartbeat.
+// The hosts list, refreshed while open: devices (free of all), who holds them, the processes the
+// host worker reports, last heartbeat.
 
 import { api, items } from "./api.js";
 import { ago, every, h, statusBadge } from "./dom.js";
@@ -49,6 +50,7 @@ async function refresh() {
         h("td", { "data-label": "Address" }, h("code", {}, host.address)),
         h("td", { "data-label": "Devices" }, devicesText(host)),
         h("td", { "data-label": "Runs" }, runsCell(host)),
+        h("td", { "data-label": "Processes" }, host.running.map((p) => p.key).join(", ") || "–"),
         h("td", { "data-label": "Last heartbeat" }, ago(host.last_seen)),
       ),
     ),
