@@ -47,7 +47,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 types: venv
-	$(BIN)/mypy training serving platform
+	$(BIN)/mypy training serving hostworker platform
 
 # The whole suite on the embedded default (SQLite, filesystem broker, in-memory channel layer).
 test-embedded: venv

@@ -1,7 +1,8 @@
 """`make run`: Fathom on one machine with no external service.
 
 Migrates the SQLite database, creates (once) and prints the admin login, then runs the web
-process (uvicorn: HTTP + websockets), a Celery worker and Celery beat until Ctrl-C. Unless
+process (uvicorn: HTTP + websockets), a Celery worker, Celery beat and one host worker for this
+machine (`python -m hostworker`, joined with a join token kept in the data folder) until Ctrl-C. Unless
 FATHOM_DEMO=0, it also launches the demo training run and, when that succeeds, deploys its
 final checkpoint to a vLLM replica and prints how to chat with it.
 """
@@ -9,6 +10,7 @@ final checkpoint to a vLLM replica and prints how to chat with it.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,12 +35,12 @@ def manage(*args: str) -> str:
     ).stdout.strip()
 
 
-def start(name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+def start(name: str, command: list[str], env: dict[str, str], cwd: Path = REPO / "platform") -> subprocess.Popen:
     data_dir = Path(env.get("FATHOM_DATA_DIR", REPO / "var"))
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     log = (data_dir / "logs" / f"{name}.log").open("ab")
     print(f"  {name:<7} logs to {log.name}")
-    return subprocess.Popen(command, cwd=REPO / "platform", env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for_web(process: subprocess.Popen) -> None:
@@ -53,8 +55,39 @@ def wait_for_web(process: subprocess.Popen) -> None:
     sys.exit("the web process did not answer within a minute")
 
 
+def join_token(data_dir: Path) -> str:
+    """FATHOM_JOIN_TOKEN, or one made once and kept (0600) in the data folder, like the secret key."""
+    if token := os.environ.get("FATHOM_JOIN_TOKEN"):
+        return token
+    path = data_dir / "join_token"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(32))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def wait_for_host(process: subprocess.Popen, log: Path, name: str) -> None:
+    """Runs launched before the local host joined would start beside it, not on it."""
+    for _ in range(300):
+        if process.poll() is not None:
+            sys.exit(f"the host worker exited with {process.returncode}; see {log}")
+        if f"host {name} joined" in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    sys.exit(f"the host worker did not join within a minute; see {log}")
+
+
 def main() -> None:
-    env = dict(os.environ, FATHOM_PUBLIC_URL=URL, PYTHONUNBUFFERED="1")
+    data_dir = Path(os.environ.get("FATHOM_DATA_DIR", REPO / "var"))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, FATHOM_PUBLIC_URL=URL, PYTHONUNBUFFERED="1", FATHOM_JOIN_TOKEN=join_token(data_dir))
+    # This machine's host worker offers CPU slots (at least 8, so the demo and small multi-node
+    # runs fit on one machine as they always did; FATHOM_HOST_CPU_SLOTS sets another count).
+    host_name = os.environ.get("FATHOM_HOST_NAME", "local")
+    host_env = dict(
+        env, FATHOM_HOST_NAME=host_name, FATHOM_HOST_ADDRESS="127.0.0.1",
+        FATHOM_HOST_CPU_SLOTS=os.environ.get("FATHOM_HOST_CPU_SLOTS", str(max(8, os.cpu_count() or 1))),
+    )  # fmt: skip
     manage("migrate", "--no-input", "-v", "0")
     login = manage("ensure_login")
     print("Starting Fathom on the embedded default (SQLite, filesystem broker, in-memory channels):")
@@ -68,6 +101,8 @@ def main() -> None:
         start("beat", [sys.executable, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO"], env),
     ]
     wait_for_web(processes[0])
+    processes.append(start("host", [sys.executable, "-m", "hostworker"], host_env, cwd=REPO))
+    wait_for_host(processes[-1], data_dir / "logs" / "host.log", host_name)
     print(f"\nFathom is up at {URL}/\n  {login}\n  API docs: {URL}/api/docs/\nPress Ctrl-C to stop.")
     if os.environ.get("FATHOM_DEMO", "1") != "0":
         from tools.demo import run_demo

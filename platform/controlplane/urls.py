@@ -13,6 +13,7 @@ urlpatterns = [
     path("api/", include("accounts.urls")),
     path("api/", include("runs.urls")),
     path("api/", include("deployments.urls")),
+    path("api/", include("hosts.urls")),
     path("", include("dashboard.urls")),
 ]
 

@@ -11,5 +11,6 @@ urlpatterns = [
     path("runs/<int:run_id>", views.run_page, name="run-page"),
     path("deployments", views.deployments_page, name="deployments-page"),
     path("deployments/<int:deployment_id>", views.deployment_page, name="deployment-page"),
+    path("hosts", views.hosts_page, name="hosts-page"),
     path("dashboard/sparklines/", views.sparklines, name="dashboard-sparklines"),
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
@@ -28,6 +29,11 @@ SPARKLINE_RUNS = 100
 @login_required
 def runs_page(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/runs.html", {"statuses": Run.Status.values})
+
+
+@login_required
+def hosts_page(request: HttpRequest) -> HttpResponse:
+    return render(request, "dashboard/hosts.html", {"lost_after": int(settings.HOST_LOST_AFTER_SECONDS)})
 
 
 @login_required

@@ -16,6 +16,7 @@ from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
 from deployments.models import ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
+from hosts.models import DeviceClaim
 from runs.models import Checkpoint
 from serving.state import DeploymentDir
 
@@ -98,6 +99,9 @@ def do_set_status(
     with transaction.atomic():
         if not Deployment.objects.filter(pk=deployment.pk, status__in=list(only_from)).update(**changes):
             return False
+        if status in (Deployment.Status.STOPPED, Deployment.Status.FAILED):
+            # Its replicas' devices go back to the cluster.
+            DeviceClaim.objects.filter(deployment=deployment).delete()
         if event is not None:
             do_record(deployment, event, data or {})
     deployment.refresh_from_db()

@@ -22,7 +22,10 @@ from django.utils import timezone
 from deployments import services
 from deployments.models import Deployment, Replica
 from deployments.options import stored_options
+from hosts import capacity, scheduling
+from hosts.models import DeviceClaim, Host
 from runs import exports
+from runs.launcher import send_to_host
 from serving import metrics as replica_metrics
 from serving.state import DeploymentDir, read_events, read_state
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
@@ -32,9 +35,12 @@ from serving.supervisor import DeploymentConfig, launch_detached, request_stop
 SCRAPE_TIMEOUT_SECONDS = 1.5
 
 
-def config_for(deployment: Deployment, export_path: Path) -> DeploymentConfig:
+def config_for(deployment: Deployment, export_path: Path, host: Host | None = None, slots: list[int] | None = None) -> DeploymentConfig:
+    """The supervisor's config: on this machine, or on `host` (its address, its CPU slots `slots`),
+    with the options the deployment stored resolved at create."""
     options = stored_options(deployment.options)
-    cores = os.cpu_count() or 1
+    cores = (host.cores if host is not None else 0) or os.cpu_count() or 1
+    slots = slots or list(range(deployment.replicas))
     return DeploymentConfig(
         name=deployment.served_model_name,
         checkpoint=str(export_path),
@@ -42,16 +48,33 @@ def config_for(deployment: Deployment, export_path: Path) -> DeploymentConfig:
         python=settings.VLLM_PYTHON,
         replicas=deployment.replicas,
         options=options,
+        # Replicas listen on their host's address, where the router reaches them.
+        host=host.address if host is not None else "127.0.0.1",
         # On CPU, vLLM's "auto" binding pins every replica to the same first core; spread them.
-        cpu_binds=tuple(str(i % cores) for i in range(deployment.replicas))
+        cpu_binds=tuple(str(slot % cores) for slot in slots)
         if options.device == "cpu" and options.cpu_threads_bind == "auto"
         else (),
     )
 
 
-def start(deployment: Deployment) -> int:
-    """Exports the checkpoint if needed and starts the deployment's supervisor; returns its pid."""
+def supervisor_key(deployment: Deployment) -> str:
+    """How a host worker names the deployment's supervisor."""
+    return f"deployment-{deployment.pk}"
+
+
+def placed_host(deployment: Deployment) -> Host | None:
+    claim = DeviceClaim.objects.filter(deployment=deployment).select_related("host").first()
+    return claim.host if claim is not None else None
+
+
+def start(deployment: Deployment) -> int | None:
+    """Exports the checkpoint if needed and starts the deployment's supervisor: here (returns its
+    pid), or, once hosts have registered, on a host with a free device per replica (a task to its
+    queue; returns None)."""
     export_path = exports.export(deployment.checkpoint)
+    if capacity.cluster_exists():
+        _start_on_host(deployment, export_path)
+        return None
     config = config_for(deployment, export_path)
     with transaction.atomic():
         for index in range(deployment.replicas):
@@ -59,9 +82,33 @@ def start(deployment: Deployment) -> int:
     return launch_detached(config, python=sys.executable)
 
 
+def _start_on_host(deployment: Deployment, export_path: Path) -> None:
+    kind = "gpu" if stored_options(deployment.options).device == "cuda" else "cpu"
+    placement = scheduling.place_deployment(deployment.pk, deployment.replicas, kind)
+    if isinstance(placement, str):
+        raise RuntimeError(placement)
+    host, devices = placement
+    config = config_for(deployment, export_path, host, devices)
+    with transaction.atomic():
+        for index in range(deployment.replicas):
+            Replica.objects.get_or_create(deployment=deployment, index=index)
+        services.do_record(deployment, "placed", {"host": host.name, "address": host.address, "devices": devices})
+    folder = DeploymentDir(deployment.folder)
+    send_to_host(host, "start_process", {
+        "key": supervisor_key(deployment), "module": "serving.supervisor", "args": ["--config", str(config.write())],
+        "log": str(folder.supervisor_log), "devices": devices, "device_kind": kind,
+    })  # fmt: skip
+
+
 def stop(deployment: Deployment, timeout: float = 120.0) -> None:
     """Asks the supervisor to drain and stop its replicas, and waits for it to exit."""
-    if not request_stop(deployment.folder):
+    host = placed_host(deployment)
+    if host is not None:
+        # Its pid is another machine's: the host worker signals it (a lost host runs nothing).
+        if host.status == Host.Status.LOST or read_state(deployment.folder) is None:
+            return
+        send_to_host(host, "stop_process", {"key": supervisor_key(deployment)})
+    elif not request_stop(deployment.folder):
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -7,6 +7,7 @@ from celery import shared_task
 from controlplane.processes import is_alive
 from deployments import services, supervision
 from deployments.models import Deployment
+from hosts.models import Host
 
 # Deployments whose supervisor should be running.
 SUPERVISED = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
@@ -27,6 +28,8 @@ def start_deployment(deployment_id: int) -> str:
             event="failed", data={"reason": str(exc)},
         )  # fmt: skip
         raise
+    if pid is None:
+        return "supervisor sent to its host"
     Deployment.objects.filter(pk=deployment_id).update(supervisor_pid=pid)
     services.do_record(deployment, "supervisor_started", {"pid": pid})
     return f"supervisor {pid}"
@@ -49,6 +52,14 @@ def stop_deployment(deployment_id: int) -> str:
 def reconcile_deployments() -> int:
     """Fails active deployments whose supervisor process is gone; returns how many."""
     failed = 0
+    # A deployment on a host that was lost lost its replicas with it.
+    for deployment in Deployment.objects.filter(status__in=SUPERVISED, device_claims__host__status=Host.Status.LOST).distinct():
+        reason = "its host was lost"
+        if services.do_set_status(
+            deployment, Deployment.Status.FAILED, only_from=[deployment.status], reason=reason,
+            event="failed", data={"reason": reason},
+        ):  # fmt: skip
+            failed += 1
     for deployment in Deployment.objects.filter(status__in=SUPERVISED, supervisor_pid__isnull=False):
         if deployment.supervisor_pid is not None and not is_alive(deployment.supervisor_pid):
             reason = "the replica supervisor exited"

@@ -1,4 +1,5 @@
-"""Prepares a run's folder and starts its node agents as detached processes.
+"""Prepares a run's folder and starts its node agents: as detached local processes, or, once
+hosts registered, as tasks on the queues of the hosts the scheduler placed the run on.
 
 Agents outlive the Celery task that starts them: the task returns as soon as they run. Each
 agent is started under `flock -n` on a per-node lock file, so a launch delivered twice (a
@@ -9,6 +10,7 @@ of several nodes also gets its rendezvous store as a process of its own
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -17,7 +19,9 @@ from pathlib import Path
 
 from django.conf import settings
 
+from controlplane.celery import app
 from controlplane.processes import flock_held, free_port, is_alive, start_detached
+from hosts.models import DeviceClaim, Host
 from runs.models import Run
 from training.run_dir import RunDir
 
@@ -60,6 +64,52 @@ def start_agents(run: Run, folder: Path, token: str) -> list[int]:
     return pids
 
 
+def start_on_hosts(run: Run) -> None:
+    """Sends the placed run's start tasks to its hosts' queues: the rendezvous store (several
+    nodes) on the first host, at the endpoint chosen at placement, then one agent per node, each
+    told its host's address and its devices. The host worker starts them under the agent lock,
+    so a start delivered twice starts one agent."""
+    folder, token = prepare(run)
+    Run.objects.filter(pk=run.pk).update(token_hash=hash_token(token))
+    launch = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
+    run_dir = RunDir(folder)
+    claims = list(DeviceClaim.objects.filter(run=run).select_related("host").order_by("node", "device"))
+    nodes: dict[int, tuple[Host, list[int]]] = {}
+    for claim in claims:
+        nodes.setdefault(claim.node, (claim.host, []))[1].append(claim.device)
+    store_args: list[str] = []
+    if len(nodes) > 1:
+        first = nodes[0][0]
+        send_to_host(first, "start_process", {
+            "key": f"run-{run.pk}-store", "module": "training.agent.rendezvous_store",
+            "args": ["--endpoint", run.rendezvous, "--run-dir", str(folder)],
+            "log": str(run_dir.rendezvous_store_log), "launch": launch,
+        })  # fmt: skip
+        store_args = ["--host-store", "no"]
+    for node, (host, devices) in sorted(nodes.items()):
+        send_to_host(host, "start_process", {
+            "key": agent_key(run.pk, node), "module": "training.agent", "lock": str(run_dir.agent_lock(node)),
+            "args": [*agent_arguments(run, folder, node, run.rendezvous, token), "--local-addr", host.address, *store_args],
+            "log": str(run_dir.agent_log(node)), "devices": devices, "device_kind": host.device_kind,
+            "launch": launch,
+        })  # fmt: skip
+
+
+def agent_key(run_id: int, node: int) -> str:
+    """How a host worker names the agent it runs for a run's node (its reports say the same)."""
+    return f"run-{run_id}-node-{node}"
+
+
+def send_to_host(host: Host, task: str, kwargs: dict[str, object]) -> None:
+    """A task for the host worker on `host` (hostworker/tasks.py), by name: the control plane
+    imports nothing of the host worker."""
+    app.send_task(f"hostworker.tasks.{task}", kwargs=kwargs, queue=host.queue)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 def agent_arguments(run: Run, folder: Path, node: int, rdzv: str, token: str) -> list[str]:
     return [
         "--spec", str(RunDir(folder).spec_file),
@@ -77,7 +127,15 @@ def agents_alive(run: Run) -> bool:
     The lock, not a recorded pid, is the truth: a worker killed between starting an agent and
     saving its pid leaves no pid behind, but the agent still holds its lock.
     """
-    return any(flock_held(lock) for lock in run.run_dir.agent_locks())
+    if any(flock_held(lock) for lock in run.run_dir.agent_locks()):
+        return True
+    # On other hosts a lock may not be visible from here: their workers say what they run.
+    prefix = agent_key(run.pk, 0).removesuffix("0")
+    return any(
+        str(item.get("key", "")).startswith(prefix)
+        for host in Host.objects.exclude(status=Host.Status.LOST)
+        for item in host.running
+    )
 
 
 def has_local_agents(run: Run) -> bool:
@@ -86,9 +144,16 @@ def has_local_agents(run: Run) -> bool:
 
 
 def request_cancel(run: Run) -> None:
-    """Asks the agents to stop their ranks cleanly: a marker file they poll, and SIGTERM."""
+    """Asks the agents to stop their ranks cleanly: a marker file they poll, and SIGTERM (by
+    a task to each host the run is placed on, or here for agents this host started)."""
     run.folder.mkdir(parents=True, exist_ok=True)
     run.run_dir.cancel_marker.touch()
+    # Not to a lost host: its agents went with it, and a stop waiting in its queue could end a
+    # later launch there.
+    claims = DeviceClaim.objects.filter(run=run).exclude(host__status=Host.Status.LOST).select_related("host")
+    placed = {claim.node: claim.host for claim in claims}
+    for node, host in sorted(placed.items()):
+        send_to_host(host, "stop_process", {"key": agent_key(run.pk, node)})
     for pid in run.agent_pids:
         if is_alive(pid):
             try:

@@ -79,6 +79,10 @@ class Run(models.Model):
     node_reports = models.JSONField(default=dict, blank=True)
     silent_nodes = models.JSONField(default=list, blank=True)
     launch_attempts = models.IntegerField(default=0)
+    # Placement on registered hosts (hosts.scheduling): higher goes first, then the older run; the
+    # rendezvous endpoint is on the first placed host's address, kept so a re-sent launch reuses it.
+    priority = models.IntegerField(default=0)
+    rendezvous = models.CharField(max_length=300, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

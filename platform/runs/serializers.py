@@ -62,7 +62,7 @@ class RunSerializer(ModelSerializer):
     class Meta:
         model = Run
         fields = [
-            "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "status", "status_reason", "layout", "step",
+            "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "priority", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
             "created_at", "started_at", "finished_at",
         ]
@@ -93,6 +93,7 @@ class RunSerializer(ModelSerializer):
             validated["run_spec"],
             validated.get("dataset"),
             validated.get("tokenizer_run"),
+            priority=validated.get("priority", 0),
         )
 
 

@@ -29,6 +29,8 @@ from controlplane import observability
 from controlplane.events import publish_on_commit, reserve_seqs
 from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
+from hosts import capacity
+from hosts.models import Host
 from runs import launcher
 from runs.models import Checkpoint, Dataset, Run, RunEvent
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
@@ -212,8 +214,8 @@ def do_create_dataset(
 # --- Runs ------------------------------------------------------------------------------------
 
 
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+# Agents' tokens are made and hashed in the launcher; the ingest view checks them with this.
+hash_token = launcher.hash_token
 
 
 def resolve_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None) -> RunSpec:
@@ -228,17 +230,19 @@ def resolve_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | No
 
 
 def do_create_run(
-    owner: Any, name: str, spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None = None
+    owner: Any, name: str, spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None = None, *, priority: int = 0
 ) -> Run:
     """Queues a run. `dataset` and `tokenizer_run` must be the owner's own: callers resolve ids among them.
 
     The spec is stored resolved, data paths included: from here to the ranks nobody parses or
     fills it in again (the launcher writes it as stored)."""
     check_run_data(spec, dataset, tokenizer_run)
+    check_fits_cluster(spec)
     resolved = resolve_data(spec, dataset, tokenizer_run)
     with transaction.atomic():
         run = Run.objects.create(
-            owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run
+            owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run,
+            priority=priority,
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         enqueue_on_commit("runs.tasks.launch_run", run.pk)
@@ -292,9 +296,25 @@ def do_set_status(run: Run, status: str, reason: str = "", *, only_from: Iterabl
     with transaction.atomic():
         if not Run.objects.filter(pk=run.pk, status__in=list(only_from)).update(**changes):
             return False
+        if status in Run.FINISHED:
+            _release_devices(run)
         _record(run, "status", {"status": status, "reason": reason})
     run.refresh_from_db()
     return True
+
+
+def _release_devices(run: Run) -> None:
+    """A run that ended gives its hosts' devices back, and queued runs are offered them."""
+    if capacity.release(run.pk):
+        enqueue_on_commit("hosts.tasks.schedule_runs")
+
+
+def check_fits_cluster(spec: RunSpec) -> None:
+    """Refuses a run the registered hosts could never hold, even all free (no hosts: the run
+    starts on the worker's machine, as before hosts existed)."""
+    hosts = list(Host.objects.all())
+    if reason := capacity.why_it_never_fits(capacity.need_of(spec.to_dict()), hosts):
+        raise InvalidInput("spec.nodes", reason)
 
 
 # --- Events ------------------------------------------------------------------------------------
@@ -469,8 +489,11 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
             # Every status change is an event, so a page that follows the events shows it.
             reason = changes.get("status_reason", "")
             stored.append(_record(run, "status", {"status": status, "reason": reason}, publish=False))
-        if status == Run.Status.SUCCEEDED:
-            # The final checkpoint is exported to Hugging Face format as soon as the run succeeds.
+            if status in Run.FINISHED:
+                _release_devices(run)
+        if moved and status == Run.Status.SUCCEEDED:
+            # The final checkpoint is exported to Hugging Face format as soon as the run succeeds
+            # (once: each node agent of a multi-node run reports its own success).
             final = Checkpoint.objects.filter(run=run).order_by("-step").first()
             if final is not None:
                 enqueue_on_commit("runs.tasks.export_checkpoint", final.pk)

@@ -11,6 +11,8 @@ from django.conf import settings
 from django.db.models import F
 from django.utils import timezone
 
+from hosts import capacity
+from hosts.tasks import schedule_and_start
 from runs import exports, launcher, services
 from runs.models import Checkpoint, Run
 
@@ -22,7 +24,12 @@ AGENT_EXIT_WAIT_SECONDS = 60.0
 
 @shared_task
 def launch_run(run_id: int) -> str:
-    """Claims a queued run, prepares its folder and starts its agents, then returns."""
+    """Claims a queued run, prepares its folder and starts its agents, then returns.
+
+    Once hosts have registered, the run is placed instead: a scheduling pass claims it (with
+    its devices) when it fits, and its agents start on its hosts."""
+    if capacity.cluster_exists():
+        return _launch_on_hosts(run_id)
     claimed = Run.objects.filter(pk=run_id, status=Run.Status.QUEUED, cancel_requested=False).update(
         status=Run.Status.STARTING, launch_attempts=F("launch_attempts") + 1, last_report_at=timezone.now()
     )
@@ -41,11 +48,34 @@ def launch_run(run_id: int) -> str:
     while launcher.agents_alive(run) and time.monotonic() < deadline:
         time.sleep(0.2)
     folder, token = launcher.prepare(run)
-    Run.objects.filter(pk=run_id).update(token_hash=services.hash_token(token))
+    Run.objects.filter(pk=run_id).update(token_hash=launcher.hash_token(token))
     pids = launcher.start_agents(run, folder, token)
     Run.objects.filter(pk=run_id).update(agent_pids=pids)
     log.info("run %s: started agents %s", run_id, pids)
     return f"run {run_id} started agents {pids}"
+
+
+def _launch_on_hosts(run_id: int) -> str:
+    placed = schedule_and_start()
+    if run_id in placed:
+        return f"run {run_id} placed and started"
+    run = Run.objects.get(pk=run_id)
+    if run.status == Run.Status.QUEUED:
+        return f"run {run_id} {run.status_reason or 'waits'}"
+    # Redelivered (or re-sent by reconcile): send the start tasks again if its agents never
+    # came up. Not sooner than LAUNCH_GRACE after the last send: a new token would lock out
+    # agents that are still starting.
+    quiet_for = timezone.now() - (run.last_report_at or run.created_at)
+    if run.status != Run.Status.STARTING or quiet_for <= LAUNCH_GRACE or launcher.agents_alive(run):
+        return f"run {run_id} is {run.status}; nothing to do"
+    if not run.device_claims.exists():
+        return f"run {run_id} holds no devices; nothing to do"
+    if run.cancel_requested:
+        services.do_set_status(run, Run.Status.CANCELLED, "cancelled before its agents started", only_from=[run.status])
+        return f"run {run_id} cancelled"
+    Run.objects.filter(pk=run_id).update(launch_attempts=F("launch_attempts") + 1, last_report_at=timezone.now())
+    launcher.start_on_hosts(run)
+    return f"run {run_id}: start tasks sent again"
 
 
 # A launch that has not started an agent this long after its claim is sent again: its worker
@@ -58,8 +88,10 @@ def reconcile_runs() -> int:
     """Re-sends lost launches; fails runs whose agents died or went silent. Returns failures."""
     now = timezone.now()
     silence = timedelta(seconds=settings.AGENT_SILENCE_TIMEOUT_SECONDS)
-    for run in Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False, created_at__lt=now - LAUNCH_GRACE):
-        launch_run.delay(run.pk)
+    if not capacity.cluster_exists():
+        # (On hosts, queued runs wait for room: beat's watch_hosts offers it to them every pass.)
+        for run in Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False, created_at__lt=now - LAUNCH_GRACE):
+            launch_run.delay(run.pk)
     failed = 0
     for run in Run.objects.filter(status__in=[Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING]):
         if launcher.agents_alive(run):

@@ -29,7 +29,7 @@ def run_with_losses(owner, losses: dict[int, float], name: str = "run") -> Run:
 
 def test_every_page_asks_for_a_login(client, alice):
     run = Run.objects.create(owner=alice, name="mine", spec={})
-    for path in ("/", "/runs/new", f"/runs/{run.pk}", "/deployments", "/dashboard/sparklines/?runs=1"):
+    for path in ("/", "/runs/new", f"/runs/{run.pk}", "/deployments", "/hosts", "/dashboard/sparklines/?runs=1"):
         response = client.get(path)
         assert response.status_code == 302 and response.url.startswith("/login/"), path
 

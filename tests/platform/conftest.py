@@ -191,3 +191,38 @@ def celery_worker_with_beat(transactional_db, tmp_path) -> Iterator[CeleryWorker
     worker.start()
     yield worker
     worker.stop()
+
+
+class HostWorker:
+    """A real host worker (`python -m hostworker`), optionally inside a network namespace
+    (`prefix`: ["ip", "netns", "exec", NAME])."""
+
+    def __init__(self, name: str, log: Path, public_url: str, join_token: str, cpu_slots: int = 2,
+                 address: str | None = None, prefix: list[str] | None = None, **env: str) -> None:  # fmt: skip
+        self.name = name
+        self.log = log
+        self.env = process_env(
+            FATHOM_PUBLIC_URL=public_url, FATHOM_JOIN_TOKEN=join_token, FATHOM_HOST_NAME=name,
+            FATHOM_HOST_CPU_SLOTS=str(cpu_slots), FATHOM_HOST_HEARTBEAT_S="1", **env,
+        )  # fmt: skip
+        if address:
+            self.env["FATHOM_HOST_ADDRESS"] = address
+        self.prefix = prefix or []
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> subprocess.Popen:
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [*self.prefix, sys.executable, "-m", "hostworker"], cwd=REPO, env=self.env,
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        return self.process
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)

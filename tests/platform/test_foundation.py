@@ -102,12 +102,22 @@ def test_a_token_is_exchanged_for_username_and_password(client, alice):
 
 
 def test_docker_compose_file_is_valid():
-    out = subprocess.run(
-        ["docker-compose", "-f", "docker-compose.yml", "config", "-q"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    def compose(*args: str, token: str = "a-join-token") -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "FATHOM_JOIN_TOKEN"}
+        if token:
+            env["FATHOM_JOIN_TOKEN"] = token
+        return subprocess.run(
+            ["docker-compose", "-f", "docker-compose.yml", *args], cwd=REPO, capture_output=True, text=True, timeout=60, env=env
+        )
+
+    out = compose("config", "-q")
     assert out.returncode == 0, out.stderr
-    services = subprocess.run(
-        ["docker-compose", "-f", "docker-compose.yml", "--profile", "gpu", "config", "--services"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
-    ).stdout.split()
-    assert {"postgres", "redis", "web", "worker", "beat", "vllm"} <= set(services)
+    # Hosts join with the join token: the file refuses to start without one, naming it.
+    missing = compose("config", "-q", token="")
+    assert missing.returncode != 0 and "set FATHOM_JOIN_TOKEN in .env" in missing.stderr
+    services = compose("--profile", "gpu", "config", "--services").stdout.split()
+    assert {"postgres", "redis", "web", "worker", "beat", "host", "host-gpu"} <= set(services)
+    # No service reaches another over 127.0.0.1 (it may only be a name the web process answers to).
+    rendered = compose("--profile", "gpu", "config").stdout
+    assert [line for line in rendered.splitlines() if "127.0.0.1" in line and "ALLOWED_HOSTS" not in line] == []
+    assert "FATHOM_PUBLIC_URL: http://web:8000" in rendered

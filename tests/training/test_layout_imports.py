@@ -65,3 +65,12 @@ def test_the_control_plane_takes_from_training_only_the_config_the_planner_the_r
 def test_training_and_serving_know_nothing_of_each_other_or_of_django() -> None:
     assert offending("training", (), ("serving", "django", "platform", "controlplane")) == {}
     assert offending("serving", (), ("training", "django", "platform", "controlplane")) == {}
+
+
+def test_the_host_worker_imports_no_part_of_fathom_and_no_django() -> None:
+    # It runs on GPU hosts that have neither a database nor Django settings, and starts the
+    # node agent and the replica supervisor by module.
+    parts = ("django", "platform", "controlplane", "runs", "deployments", "hosts", "training", "serving")
+    assert offending("hostworker", (), parts) == {}
+    assert offending("training", (), ("hostworker",)) == {}
+    assert offending("serving", (), ("hostworker",)) == {}

@@ -12,6 +12,8 @@ const IMPORTANCE = {
   failed: "bad",
   export_failed: "bad",
   node_lost: "bad",
+  host_lost: "bad",
+  waiting: "warn",
   restarting: "warn",
   cancel_requested: "warn",
   cancelled: "warn",
@@ -49,6 +51,16 @@ export function describe(e) {
       return ["Checkpoint", `step ${e.step}`];
     case "node_lost":
       return ["Node lost", `${e.nodes_before} → ${e.nodes} nodes`];
+    case "placed":
+      return ["Placed", (e.nodes ?? []).map((n) => `node ${n.node} on ${n.host} (${n.address}), devices ${n.devices.join(", ")}`).join("; ")];
+    case "waiting":
+      return ["Waiting", (e.reason ?? "").replace(/^waiting: /, "")];
+    case "host_lost":
+      return [
+        `Host ${e.host} lost`,
+        `${(e.nodes ?? []).join(", ")} gone; ${e.nodes_left} node${e.nodes_left === 1 ? "" : "s"} left` +
+          (e.continues ? ", the run goes on" : ", fewer than nodes.min: resumes from its last checkpoint when the cluster has room"),
+      ];
     case "cancel_requested":
       return ["Cancel requested", ""];
     case "cancelled":

@@ -1,0 +1,145 @@
+"""The processes a host worker starts for the control plane, by key (`run-7-node-1`).
+
+Each gets a session of its own (it outlives a worker restart) and, for a node agent, runs under
+`flock -n` on the agent's lock, so a start delivered twice starts one agent. Their pids are kept
+in the host's state folder, so a restarted worker still reports and stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+from hostworker.config import REPO_DIR, HostConfig
+
+log = logging.getLogger(__name__)
+
+# What the control plane may ask a host to run: nothing else, whatever reaches its queue.
+MODULES = ("training.agent", "training.agent.rendezvous_store", "serving.supervisor")
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address`, for gloo to bind its ranks' sockets to (left to
+    itself it resolves the host name, which on a multi-homed machine may be another network)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                if socket.inet_ntoa(raw[20:24]) == address:
+                    return name
+    return None
+
+
+class Processes:
+    def __init__(self, config: HostConfig) -> None:
+        self.config = config
+        self.state_file = config.state_dir / "processes.json"
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def _read(self) -> dict[str, dict[str, int]]:
+        """{key: {"pid", "launch"}} of what this host started and has not yet seen exit."""
+        try:
+            return {
+                k: {"pid": int(v["pid"]), "launch": int(v["launch"])}
+                for k, v in json.loads(self.state_file.read_text()).items()
+            }
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return {}
+
+    def _write(self, processes: dict[str, dict[str, int]]) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(processes, sort_keys=True))
+        tmp.replace(self.state_file)
+
+    def environment(self, devices: list[int], device_kind: str) -> dict[str, str]:
+        env = dict(os.environ, PYTHONPATH=str(REPO_DIR), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env.pop("FATHOM_JOIN_TOKEN", None)  # the cluster's secret stays with the host worker
+        if device_kind == "gpu":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            env["FATHOM_CPU_SLOTS"] = ",".join(str(d) for d in devices)
+        if not self.config.address.startswith("127.") and (interface := interface_of(self.config.address)):
+            env["GLOO_SOCKET_IFNAME"] = interface
+        return env
+
+    def start(
+        self, key: str, module: str, args: list[str], log_path: str, lock: str = "",
+        devices: list[int] | None = None, device_kind: str = "cpu", launch: int = 0,
+    ) -> int | None:  # fmt: skip
+        """Starts `python -m module args` for `key` (`launch`: which launch of it); returns its pid.
+
+        The same launch delivered twice starts once. A new launch of a key whose previous one
+        still runs (a run resumed while its old agent stops) waits up to 90 s for the old one's
+        lock instead of giving up at once."""
+        if module not in MODULES:
+            raise ValueError(f"{module!r} is not a module a host runs ({', '.join(MODULES)})")
+        with self._lock:
+            known = self._read()
+            previous = known.get(key)
+            replacing = previous is not None and is_alive(previous["pid"])
+            if replacing and previous is not None and previous["launch"] == launch:
+                log.info("%s launch %d already runs (pid %d)", key, launch, previous["pid"])
+                return None
+            command = [self.config.python, "-m", module, *args]
+            if lock:
+                command = ["flock", *(["-w", "90"] if replacing else ["-n"]), "-E", "75", lock, *command]
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as out:
+                process = subprocess.Popen(
+                    command, cwd=REPO_DIR, env=self.environment(devices or [], device_kind),
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            self._children[process.pid] = process
+            known[key] = {"pid": process.pid, "launch": launch}
+            self._write(known)
+        log.info("started %s: %s (pid %d, launch %d)", key, module, process.pid, launch)
+        return process.pid
+
+    def stop(self, key: str, sig: int = signal.SIGTERM) -> bool:
+        """Signals the process group of `key` (SIGTERM: an agent stops its ranks cleanly)."""
+        known = self._read().get(key)
+        pid = known["pid"] if known else None
+        if pid is None or not is_alive(pid):
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        log.info("stopped %s (pid %d, signal %d)", key, pid, sig)
+        return True
+
+    def running(self) -> list[dict[str, Any]]:
+        """What runs now, for the heartbeat; forgets (and reaps) what exited."""
+        for pid, child in list(self._children.items()):
+            if child.poll() is not None:
+                del self._children[pid]
+        with self._lock:
+            known = self._read()
+            alive = {key: value for key, value in known.items() if is_alive(value["pid"])}
+            if alive != known:
+                self._write(alive)
+        return [{"key": key, **value} for key, value in sorted(alive.items())]

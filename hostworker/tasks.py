@@ -1,0 +1,23 @@
+"""What the control plane asks of a host (sent by name to `host.<name>`, never imported by it)."""
+
+from __future__ import annotations
+
+from hostworker.app import app, config
+from hostworker.processes import Processes
+
+processes = Processes(config)
+
+
+@app.task(name="hostworker.tasks.start_process")
+def start_process(
+    key: str, module: str, args: list[str], log: str, lock: str = "",
+    devices: list[int] | None = None, device_kind: str = "cpu", launch: int = 0,
+) -> int | None:  # fmt: skip
+    """Starts a node agent, a rendezvous store or a replica supervisor by module, detached."""
+    return processes.start(key, module, args, log, lock=lock, devices=devices, device_kind=device_kind, launch=launch)
+
+
+@app.task(name="hostworker.tasks.stop_process")
+def stop_process(key: str) -> bool:
+    """SIGTERM to the process group of `key`: an agent cancels its ranks, a supervisor its replicas."""
+    return processes.stop(key)

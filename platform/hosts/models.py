@@ -1,0 +1,83 @@
+"""The machines that train and serve (each runs a host worker), and the devices given to runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models
+
+
+class Host(models.Model):
+    """A machine whose host worker registered with the cluster's join token and heartbeats.
+
+    `devices` is what the worker last reported: `[{"index", "kind" ("gpu" or "cpu"), "model",
+    "memory_mb"}]`, GPUs from nvidia-smi or CPU slots on a host without one.
+    """
+
+    class Status(models.TextChoices):
+        READY = "ready"
+        DRAINING = "draining"  # keeps what it runs, takes nothing new
+        LOST = "lost"  # no heartbeat for HOST_LOST_AFTER seconds
+
+    name = models.CharField(max_length=100, unique=True, help_text="The host worker's name; its queue is host.<name>.")
+    address = models.CharField(max_length=255, help_text="Where other hosts and the control plane reach it.")
+    devices = models.JSONField(default=list)
+    labels = models.JSONField(default=dict, blank=True)
+    cores = models.IntegerField(default=0, help_text="CPU cores the host reports (CPU replicas are pinned to them).")
+    running = models.JSONField(default=list, blank=True, help_text="What the host worker last said it runs.")
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.READY, db_index=True)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    registered_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.status})"
+
+    @property
+    def queue(self) -> str:
+        return f"host.{self.name}"
+
+    @property
+    def device_kind(self) -> str:
+        """The kind runs use on this host: "gpu" if it has a GPU, else "cpu"."""
+        return "gpu" if any(d.get("kind") == "gpu" for d in self.devices) else "cpu"
+
+    @property
+    def device_indexes(self) -> list[int]:
+        kind = self.device_kind
+        return sorted(int(d["index"]) for d in self.devices if d.get("kind") == kind)
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "address": self.address, "kind": self.device_kind}
+
+
+class DeviceClaim(models.Model):
+    """One device of one host given to one node of a run, or to one replica of a deployment. The
+    unique (host, device) pair is what makes double-booking impossible whatever the schedulers
+    do: a second claim fails to insert."""
+
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="claims")
+    device = models.IntegerField()
+    run = models.ForeignKey("runs.Run", null=True, blank=True, on_delete=models.CASCADE, related_name="device_claims")
+    deployment = models.ForeignKey(
+        "deployments.Deployment", null=True, blank=True, on_delete=models.CASCADE, related_name="device_claims"
+    )
+    node = models.IntegerField(help_text="The run's node rank, or the deployment's replica index, this device serves.")
+    claimed_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["run", "deployment", "node", "device"]
+        constraints = [
+            models.UniqueConstraint(fields=["host", "device"], name="device_claim_host_device_unique"),
+            models.CheckConstraint(
+                condition=models.Q(run__isnull=False, deployment__isnull=True)
+                | models.Q(run__isnull=True, deployment__isnull=False),
+                name="device_claim_for_a_run_or_a_deployment",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        holder = f"run {self.run_id} node" if self.run_id else f"deployment {self.deployment_id} replica"
+        return f"{self.host.name}:{self.device} → {holder} {self.node}"

@@ -1,0 +1,226 @@
+"""Gang placement: a queued run gets all its nodes' devices at once, or waits with a reason.
+
+One pass (`schedule`) runs in one transaction. It locks every host row first (`select_for_update`
+on PostgreSQL; on SQLite the transaction is IMMEDIATE, so it holds the database's write lock from
+its start), so two schedulers take turns. Runs are offered the free devices in queue order,
+higher `priority` first, then the older run; the first run that does not fit stops the pass (the
+runs behind it wait for it, so a large run is not starved by small ones). A placement is
+`DeviceClaim` rows, unique per (host, device): whatever happens, no device is given twice. The
+claim and the run's move to `starting` commit together; the caller then sends the start tasks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from controlplane.events import publish_on_commit
+from hosts.capacity import KINDS, Need, devices_word, need_of
+from hosts.models import DeviceClaim, Host
+from runs import launcher, services
+from runs.models import Run, RunEvent
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    node: int
+    host: Host
+    devices: list[int]
+
+
+def placement_of(run: Run) -> list[NodePlacement]:
+    """The run's placed nodes in node order; empty if it holds no devices."""
+    by_node: dict[int, list[DeviceClaim]] = defaultdict(list)
+    for claim in DeviceClaim.objects.filter(run=run).select_related("host"):
+        by_node[claim.node].append(claim)
+    return [
+        NodePlacement(node, claims[0].host, sorted(c.device for c in claims))
+        for node, claims in sorted(by_node.items())
+    ]
+
+
+def place(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]]) -> list[tuple[Host, list[int]]] | None:
+    """A host and `need.per_node` free devices for each of the run's nodes, all of one kind, or None.
+
+    `hosts`: the ready hosts by kind. Nodes go to distinct hosts while there are hosts to spread
+    over (a lost host then costs the run one node), and only then share one. Among those that
+    hold a node, the host with the fewest free devices is taken (best fit), so large holes stay
+    for large runs. GPU hosts are tried before CPU hosts."""
+    # (`id`, a plain attribute, not `pk`, a property: this runs for every host for every run.)
+    for kind in KINDS:
+        left = {h.id: free[h.id] for h in hosts.get(kind, []) if len(free[h.id]) >= need.per_node}
+        if sum(len(devices) // need.per_node for devices in left.values()) < need.nodes:
+            continue
+        by_id = {h.id: h for h in hosts[kind] if h.id in left}
+        gang: list[tuple[Host, list[int]]] = []
+        used: set[int] = set()
+        for _ in range(need.nodes):
+            chosen = min(
+                (i for i, devices in left.items() if len(devices) >= need.per_node),
+                key=lambda i: (i in used, len(left[i]), by_id[i].name),
+            )
+            gang.append((by_id[chosen], left[chosen][: need.per_node]))
+            left[chosen] = left[chosen][need.per_node :]
+            used.add(chosen)
+        return gang
+    return None
+
+
+def waiting_reason(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]]) -> str:
+    for kind in KINDS:
+        of_kind = hosts.get(kind, [])
+        if not of_kind:
+            continue
+        total_free = sum(len(free[h.pk]) for h in of_kind)
+        reason = f"waiting: needs {devices_word(kind, need.total)}"
+        if need.nodes > 1:
+            reason += f" ({need.nodes} nodes × {need.per_node}, each node on one host)"
+        reason += f", {total_free} free"
+        if total_free >= need.total:
+            room = sum(len(free[h.pk]) // need.per_node for h in of_kind)
+            reason += f" but room for {room} node{'s' if room != 1 else ''} of {need.per_node} on one host"
+        return reason
+    return "waiting: no ready host"
+
+
+# The reason of every run behind the first that does not fit: one text, so a queue of thousands
+# is one UPDATE when it forms and none while it stays (the run holding it names its own reason).
+BEHIND = "waiting: behind an earlier run in the queue that does not fit yet"
+
+
+class Pass:
+    """What one scheduling pass knows: free devices per host, rendezvous ports in use, and the
+    claims and events of the runs it placed, written together at its end."""
+
+    def __init__(self, hosts: list[Host]) -> None:
+        claimed: dict[int, set[int]] = defaultdict(set)
+        for host_id, device in DeviceClaim.objects.values_list("host_id", "device"):
+            claimed[host_id].add(device)
+        self.free = {h.pk: [d for d in h.device_indexes if d not in claimed[h.pk]] for h in hosts}
+        self.ready: dict[str, list[Host]] = defaultdict(list)
+        for host in hosts:
+            if host.status == Host.Status.READY:
+                self.ready[host.device_kind].append(host)
+        self.ports: dict[str, set[str]] = defaultdict(set)
+        for endpoint in (
+            Run.objects.filter(status__in=Run.ACTIVE).exclude(rendezvous="").values_list("rendezvous", flat=True)
+        ):
+            address, _, port = endpoint.rpartition(":")
+            self.ports[address].add(port)
+        self.claims: list[DeviceClaim] = []
+        self.events: list[RunEvent] = []
+
+    def rendezvous_endpoint(self, address: str) -> str:
+        """A port on `address` that no active run's rendezvous holds."""
+        port = str(random.choice([p for p in settings.RENDEZVOUS_PORTS if str(p) not in self.ports[address]]))
+        self.ports[address].add(port)
+        return f"{address}:{port}"
+
+    def claim(self, run: Run, gang: list[tuple[Host, list[int]]]) -> bool:
+        """Moves the run to `starting` with its devices and rendezvous; False if it moved on."""
+        endpoint = self.rendezvous_endpoint(gang[0][0].address)
+        # Two events follow; their run-wide numbers are reserved in the same UPDATE, which holds
+        # only if nobody numbered an event of the run since it was read (else: the next pass).
+        if not Run.objects.filter(
+            pk=run.pk, status=Run.Status.QUEUED, cancel_requested=False, last_seq=run.last_seq
+        ).update(
+            status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
+            last_report_at=timezone.now(), rendezvous=endpoint, last_seq=run.last_seq + 2,
+        ):  # fmt: skip
+            return False
+        first = run.last_seq + 1
+        for node, (host, devices) in enumerate(gang):
+            self.free[host.pk] = [d for d in self.free[host.pk] if d not in devices]
+            self.claims += [DeviceClaim(host=host, device=device, run=run, node=node) for device in devices]
+        nodes = [
+            {"node": node, "host": host.name, "address": host.address, "devices": devices}
+            for node, (host, devices) in enumerate(gang)
+        ]
+        now = timezone.now()
+        for seq, kind, data in (
+            (first, "placed", {"nodes": nodes}),
+            (first + 1, "status", {"status": Run.Status.STARTING, "reason": ""}),
+        ):
+            self.events.append(
+                RunEvent(
+                    run=run, seq=seq, source=services.CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data
+                )
+            )
+        return True
+
+    def write(self) -> None:
+        # The unique (host, device) constraint refuses a device given twice right here.
+        DeviceClaim.objects.bulk_create(self.claims, batch_size=1000)
+        for event in RunEvent.objects.bulk_create(self.events, batch_size=1000):
+            publish_on_commit(services.run_group(event.run_id), [event.as_message()])
+
+
+def schedule() -> list[int]:
+    """One placement pass; returns the runs placed (moved to `starting`), whose start tasks the
+    caller sends."""
+    placed: list[int] = []
+    with transaction.atomic():
+        hosts = list(Host.objects.select_for_update().order_by("pk"))
+        if not hosts:
+            return placed
+        # Devices of runs that ended go back (normally done when they end; this catches the rest).
+        DeviceClaim.objects.filter(run__status__in=Run.FINISHED).delete()
+        this = Pass(hosts)
+        queue = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).order_by(
+            "-priority", "created_at", "pk"
+        )
+        for run in queue.iterator(chunk_size=200):
+            need = need_of(run.spec)
+            if run.resume and launcher.agents_alive(run):
+                # Its previous agents are still stopping: their last events must land first.
+                reason = "waiting: its previous agents are still stopping"
+            else:
+                gang = place(need, this.ready, this.free)
+                if gang is not None:
+                    if this.claim(run, gang):
+                        placed.append(run.pk)
+                    continue
+                reason = waiting_reason(need, this.ready, this.free)
+            if run.status_reason != reason:
+                Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED).update(status_reason=reason)
+                services.do_record_event(run, "waiting", {"reason": reason})
+            # The runs behind it wait for it (no small run starves a large one).
+            queue.filter(
+                Q(priority__lt=run.priority)
+                | Q(priority=run.priority, created_at__gt=run.created_at)
+                | Q(priority=run.priority, created_at=run.created_at, pk__gt=run.pk)
+            ).exclude(status_reason=BEHIND).update(status_reason=BEHIND)
+            break
+        this.write()
+    return placed
+
+
+def place_deployment(deployment_id: int, replicas: int, kind: str) -> tuple[Host, list[int]] | str:
+    """One ready host of `kind` ("gpu" or "cpu") with a free device for each replica, claimed for
+    the deployment in one transaction (host rows locked, as for runs); or why there is none.
+
+    A deployment's replicas share one supervisor, so they share one host; a deployment waits in
+    no queue: one that does not fit now fails, saying why."""
+    with transaction.atomic():
+        hosts = list(Host.objects.select_for_update().order_by("pk"))
+        DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"]).delete()
+        this = Pass(hosts)
+        gang = place(Need(nodes=1, per_node=replicas), {kind: this.ready.get(kind, [])}, this.free)
+        if gang is None:
+            most = max((len(this.free[h.pk]) for h in this.ready.get(kind, [])), default=0)
+            return (
+                f"no ready host has {devices_word(kind, replicas)} free for {replicas} replica"
+                f"{'s' if replicas != 1 else ''} (one host runs a deployment; the most free on one is {most})"
+            )
+        host, devices = gang[0]
+        DeviceClaim.objects.bulk_create(
+            DeviceClaim(host=host, device=device, deployment_id=deployment_id, node=index)
+            for index, device in enumerate(devices)
+        )
+    return host, devices

@@ -1,0 +1,33 @@
+"""Celery tasks for hosts: watching their heartbeats and placing queued runs on them."""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.conf import settings
+
+from hosts import recovery, scheduling, services
+from runs import launcher
+from runs.models import Run
+
+
+def schedule_and_start() -> list[int]:
+    """One placement pass, then the start tasks of each run it placed; returns those runs."""
+    placed = scheduling.schedule()
+    for run_id in placed:
+        launcher.start_on_hosts(Run.objects.get(pk=run_id))
+    return placed
+
+
+@shared_task
+def schedule_runs() -> list[int]:
+    return schedule_and_start()
+
+
+@shared_task
+def watch_hosts() -> list[str]:
+    """Marks silent hosts lost, then offers queued runs the free devices. Returns the lost."""
+    lost = services.do_mark_lost(settings.HOST_LOST_AFTER_SECONDS)
+    for host in lost:
+        recovery.do_handle_lost_host(host)
+    schedule_and_start()
+    return [host.name for host in lost]

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import AllowAny, IsAdminUser
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from hosts import services
+from hosts.models import Host
+from hosts.serializers import HeartbeatSerializer, HostSerializer
+
+log = logging.getLogger(__name__)
+
+
+class HostViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """The cluster's hosts, for every signed-in user; draining and undraining are for staff."""
+
+    serializer_class = HostSerializer
+    queryset = Host.objects.prefetch_related("claims")
+    conflict_actions = ("drain", "undrain")
+
+    def get_permissions(self) -> list[Any]:
+        if self.action in self.conflict_actions:
+            return [IsAdminUser()]
+        return list(super().get_permissions())
+
+    @extend_schema(request=None, responses=HostSerializer)
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk: str) -> Response:
+        return Response(HostSerializer(services.do_drain(self.get_object())).data)
+
+    @extend_schema(request=None, responses=HostSerializer)
+    @action(detail=True, methods=["post"])
+    def undrain(self, request: Request, pk: str) -> Response:
+        return Response(HostSerializer(services.do_undrain(self.get_object())).data)
+
+    def get_queryset(self) -> QuerySet[Host]:
+        return Host.objects.prefetch_related("claims")
+
+
+class HeartbeatView(APIView):
+    """A host worker's registration and heartbeat, with the cluster's join token as bearer."""
+
+    permission_classes = [AllowAny]
+    authentication_classes: list[Any] = []  # the join token is checked in post(); no session or CSRF
+
+    @extend_schema(
+        request=HeartbeatSerializer,
+        responses={
+            200: inline_serializer("HeartbeatAck", {"status": serializers.CharField()}),
+            401: inline_serializer("JoinTokenRequired", {"detail": serializers.CharField()}),
+        },
+    )
+    def post(self, request: Request) -> Response:
+        auth = request.headers.get("Authorization", "")
+        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        peer = request.META.get("REMOTE_ADDR", "?")
+        if not settings.JOIN_TOKEN:
+            log.warning("host heartbeat from %s refused: FATHOM_JOIN_TOKEN is not set, so no host may join", peer)
+            return Response(
+                {"detail": "This control plane takes no hosts: FATHOM_JOIN_TOKEN is not set."},
+                status=status.HTTP_401_UNAUTHORIZED,
+            )
+        if not token or not hmac.compare_digest(token.encode(), settings.JOIN_TOKEN.encode()):
+            log.warning("host heartbeat from %s refused: %s join token", peer, "wrong" if token else "no")
+            return Response({"detail": "A valid join token is required."}, status=status.HTTP_401_UNAUTHORIZED)
+        body = HeartbeatSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        host = services.do_heartbeat(**body.validated_data)
+        return Response({"status": host.status})

@@ -1,0 +1,75 @@
+"""A real host worker (`python -m hostworker`) joins a real web process with the join token,
+heartbeats, and runs the node agents of the runs placed on it; the Celery worker only places
+and sends. Everything over loopback here; tests/platform/test_hosts_netns.py puts hosts in
+network namespaces of their own."""
+
+from __future__ import annotations
+
+import pytest
+
+from hosts.models import Host
+from runs.models import Run
+from tests.platform.conftest import HostWorker
+from tests.platform.test_run_lifecycle import api, wait_until
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-join-token"
+
+
+@pytest.fixture
+def join_token(monkeypatch):
+    # Before live_web: the web process takes it from the environment.
+    monkeypatch.setenv("FATHOM_JOIN_TOKEN", TOKEN)
+    return TOKEN
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_worker_without_the_join_token_is_turned_away(join_token, live_web, tmp_path):
+    wrong = HostWorker("h1", tmp_path / "wrong.log", live_web.url, "not-the-token")
+    assert wrong.start().wait(timeout=120) == 2
+    assert "refused host h1" in wrong.log.read_text()
+    assert "host heartbeat from 127.0.0.1 refused: wrong join token" in live_web.log.read_text()
+    missing = HostWorker("h1", tmp_path / "missing.log", live_web.url, "")
+    assert missing.start().wait(timeout=120) == 2
+    assert "FATHOM_JOIN_TOKEN is not set" in missing.log.read_text()
+    assert not Host.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_placed_on_a_host_worker_trains_there_is_cancelled_there_and_frees_its_slots(
+    alice, join_token, live_web, celery_worker, tmp_path
+):
+    host = HostWorker("local", tmp_path / "host.log", live_web.url, TOKEN, cpu_slots=2)
+    host.start()
+    try:
+        client = api(live_web, alice)
+        wait_until(lambda: client.get("/api/hosts/").json()["count"] == 1, 120, "the host to join")
+        listed = client.get("/api/hosts/").json()["results"][0]
+        assert (listed["name"], listed["kind"], listed["free"], listed["status"]) == ("local", "cpu", 2, "ready")
+
+        spec = {"layout": {"dp": 2}, "train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 3}}
+        run_id = client.post("/api/runs/", json={"name": "on a host", "spec": spec}).json()["id"]
+        key = f"run-{run_id}-node-0"
+        wait_until(lambda: key in {p["key"] for p in Host.objects.get().running}, 180, "the host to report the agent")
+        wait_until(lambda: Run.objects.get(pk=run_id).status == "succeeded", 300, "the run to succeed")
+        run = Run.objects.get(pk=run_id)
+        assert run.events.get(kind="placed").data["nodes"] == [
+            {"node": 0, "host": "local", "address": "127.0.0.1", "devices": [0, 1]}
+        ]
+        assert list(run.events.filter(kind="metrics").values_list("data__step", flat=True)) == [1, 2, 3, 4, 5, 6]
+        wait_until(lambda: client.get("/api/hosts/").json()["results"][0]["free"] == 2, 30, "the slots to be free")
+        assert f"started {key}: training.agent" in host.log.read_text()
+
+        # A cancel travels to the host's queue; the agent stops its ranks there.
+        long = {"train": {"steps": 400, "warmup_steps": 2, "checkpoint_interval": 50}}
+        long_id = client.post("/api/runs/", json={"name": "long", "spec": long}).json()["id"]
+        wait_until(lambda: Run.objects.get(pk=long_id).step >= 1, 240, "the long run to train")
+        assert client.post(f"/api/runs/{long_id}/cancel/").status_code == 200
+        wait_until(lambda: Run.objects.get(pk=long_id).status == "cancelled", 120, "the cancel")
+        stopped = f"stopped run-{long_id}-node-0"
+        wait_until(lambda: stopped in host.log.read_text(), 60, "the host to take the stop task")
+        wait_until(lambda: Host.objects.get().running == [], 60, "the host to report nothing running")
+        assert client.get("/api/hosts/").json()["results"][0]["free"] == 2
+    finally:
+        host.stop()

@@ -1,0 +1,104 @@
+"""Hosts joining with the cluster's join token, listed for users, drained by staff, marked lost
+when their heartbeats stop. On the real database, through the REST API."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from hosts.models import Host
+from hosts.tasks import watch_hosts
+from tests.platform.conftest import client_for
+
+pytestmark = pytest.mark.django_db
+
+TOKEN = "join-token-for-tests"
+
+
+def beat(client, name="gpu-a", token=TOKEN, slots=2, **extra):
+    body = {
+        "name": name,
+        "address": "10.9.0.11",
+        "devices": [{"index": i, "kind": "cpu"} for i in range(slots)],
+        "labels": {"zone": "a"},
+        **extra,
+    }
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
+    return client.post("/api/hosts/heartbeat/", json.dumps(body), content_type="application/json", **headers)
+
+
+@pytest.fixture
+def join_token(settings):
+    settings.JOIN_TOKEN = TOKEN
+    return TOKEN
+
+
+def test_without_a_join_token_set_no_host_joins_and_the_refusal_is_logged(client, settings, caplog):
+    settings.JOIN_TOKEN = ""
+    with caplog.at_level(logging.WARNING, logger="hosts.views"):
+        response = beat(client)
+    assert response.status_code == 401
+    assert "FATHOM_JOIN_TOKEN is not set" in response.json()["detail"]
+    assert "FATHOM_JOIN_TOKEN is not set" in caplog.text
+    assert not Host.objects.exists()
+
+
+@pytest.mark.parametrize("token", ["", "wrong-token"])
+def test_a_heartbeat_without_the_right_token_is_refused_and_logged(client, join_token, caplog, token):
+    with caplog.at_level(logging.WARNING, logger="hosts.views"):
+        response = beat(client, token=token)
+    assert response.status_code == 401
+    assert "refused" in caplog.text
+    assert not Host.objects.exists()
+
+
+def test_the_first_heartbeat_registers_the_host_and_the_next_refresh_it(client, join_token, alice_api):
+    assert beat(client, running=[{"key": "run-1-node-0", "pid": 42}]).json() == {"status": "ready"}
+    first_seen = Host.objects.get(name="gpu-a").last_seen
+    assert beat(client, slots=3).status_code == 200
+    hosts = alice_api.get("/api/hosts/").json()["results"]
+    assert len(hosts) == 1
+    host = hosts[0]
+    assert (host["name"], host["address"], host["status"], host["kind"]) == ("gpu-a", "10.9.0.11", "ready", "cpu")
+    assert [d["index"] for d in host["devices"]] == [0, 1, 2] and host["free"] == 3
+    assert host["labels"] == {"zone": "a"} and host["running"] == []
+    assert Host.objects.get(name="gpu-a").last_seen >= first_seen
+
+
+def test_a_heartbeat_with_a_bad_body_names_the_field(client, join_token):
+    response = beat(client, name="no spaces allowed")
+    assert response.status_code == 400 and "name" in response.json()
+    response = beat(client, devices=[{"index": 0, "kind": "cpu"}, {"index": 0, "kind": "cpu"}])
+    assert response.status_code == 400 and "devices" in response.json()
+
+
+def test_hosts_are_for_signed_in_users_only(client):
+    assert client.get("/api/hosts/").status_code in (401, 403)
+
+
+def test_staff_drain_and_undrain_a_host_and_users_may_not(client, join_token, alice, alice_api, django_user_model):
+    beat(client)
+    host = Host.objects.get()
+    assert alice_api.post(f"/api/hosts/{host.pk}/drain/").status_code == 403
+    admin = client_for(django_user_model.objects.create_user("root", password="root-password-1", is_staff=True))
+    assert admin.post(f"/api/hosts/{host.pk}/drain/").json()["status"] == "draining"
+    assert admin.post(f"/api/hosts/{host.pk}/drain/").status_code == 409
+    # A draining host's heartbeat keeps it draining.
+    assert beat(client).json() == {"status": "draining"}
+    assert admin.post(f"/api/hosts/{host.pk}/undrain/").json()["status"] == "ready"
+    assert admin.post(f"/api/hosts/{host.pk}/undrain/").status_code == 409
+
+
+def test_a_host_whose_heartbeats_stop_is_marked_lost_and_a_new_beat_brings_it_back(client, join_token, settings):
+    settings.HOST_LOST_AFTER_SECONDS = 15
+    beat(client, name="a")
+    beat(client, name="b")
+    Host.objects.filter(name="b").update(last_seen=timezone.now() - timedelta(seconds=16))
+    assert watch_hosts() == ["b"]
+    assert dict(Host.objects.values_list("name", "status")) == {"a": "ready", "b": "lost"}
+    assert watch_hosts() == []  # marked once
+    assert beat(client, name="b").json() == {"status": "ready"}

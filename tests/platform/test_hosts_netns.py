@@ -1,0 +1,266 @@
+"""Several hosts on one machine: network namespaces the test creates, each running its own host
+worker at its own address, against a web process, a Celery worker and a Redis broker that
+listen on the test's bridge. A process in a namespace cannot reach the root namespace's
+127.0.0.1, so anything that assumed loopback between hosts fails here.
+
+Traffic goes only to loopback and to the addresses of the namespaces and bridge this test
+creates (one private /24 that no interface of the machine uses); every wait is bounded; the
+namespaces, the bridge and every process in them are removed at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from rest_framework.authtoken.models import Token
+
+from controlplane.web import web_command
+from hosts.models import Host
+from runs.models import Run
+from tests.platform.conftest import REPO, CeleryWorker, HostWorker, free_port, process_env, stop, wait_for_http
+from tests.platform.test_run_lifecycle import wait_until
+from tools import netns
+from tools.netns import Broker, Network
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "netns-join-token"
+
+
+@pytest.fixture
+def network() -> Iterator[Network]:
+    with netns.network() as net:
+        yield net
+
+
+@dataclass
+class Cluster:
+    url: str
+    network: Network
+    hosts: list[HostWorker]
+    api: httpx.Client
+    broker: Broker
+
+
+@pytest.fixture
+def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator[Cluster]:
+    """Two namespace hosts with two CPU slots each, joined to a control plane on the bridge."""
+    bridge = network.bridge_address
+    redis_port, web_port = free_port(), free_port()
+    url = f"http://{bridge}:{web_port}"
+    # Every process started from here on takes these (process_env copies os.environ).
+    monkeypatch.setenv("CELERY_BROKER_URL", f"redis://{bridge}:{redis_port}/0")
+    monkeypatch.setenv("ALLOWED_HOSTS", f"{bridge},127.0.0.1,localhost")
+    monkeypatch.setenv("FATHOM_JOIN_TOKEN", TOKEN)
+    monkeypatch.setenv("FATHOM_HOST_LOST_AFTER", "6")
+    monkeypatch.setenv("FATHOM_SCHEDULE_INTERVAL", "1")
+    processes: list[subprocess.Popen] = []
+    stoppers = []
+    try:
+        broker = Broker(bridge, redis_port, tmp_path / "redis.log")
+        broker.start()
+        stoppers.append(broker.stop)
+        with (tmp_path / "web.log").open("ab") as out:
+            web = subprocess.Popen(
+                web_command(web_port, bridge), cwd=REPO / "platform", env=process_env(FATHOM_PUBLIC_URL=url),
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        processes.append(web)
+        wait_for_http(f"{url}/login/", process=web)
+        worker = CeleryWorker(tmp_path / "worker.log", url, beat=True)
+        worker.start()
+        stoppers.append(worker.stop)
+        hosts = []
+        for index in range(2):
+            namespace = network.add_namespace()
+            host = HostWorker(
+                f"h{index}", tmp_path / f"host{index}.log", url, TOKEN, cpu_slots=2,
+                prefix=["ip", "netns", "exec", namespace],
+            )  # fmt: skip
+            host.start()
+            stoppers.append(host.stop)
+            hosts.append(host)
+        client = httpx.Client(
+            base_url=url,
+            headers={"Authorization": f"Token {Token.objects.get_or_create(user=alice)[0].key}"},
+            timeout=30,
+        )
+        wait_until(lambda: Host.objects.filter(status="ready").count() == 2, 120, "both hosts to join")
+        yield Cluster(url, network, hosts, client, broker)
+    finally:
+        for stopper in reversed(stoppers):
+            stopper()
+        for process in reversed(processes):
+            stop(process)
+
+
+def losses(run_id: int) -> list[float]:
+    return list(
+        Run.objects.get(pk=run_id).events.filter(kind="metrics").order_by("seq").values_list("data__loss", flat=True)
+    )
+
+
+def submit(cluster: Cluster, name: str, spec: dict) -> httpx.Response:
+    return cluster.api.post("/api/runs/", json={"name": name, "spec": spec})
+
+
+def wait_finished(run_id: int, timeout: float = 600) -> Run:
+    wait_until(lambda: Run.objects.get(pk=run_id).status in Run.FINISHED, timeout, f"run {run_id} to end")
+    return Run.objects.get(pk=run_id)
+
+
+TRAIN = {"steps": 4, "warmup_steps": 2, "checkpoint_interval": 2, "global_batch": 8}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runs_span_namespace_hosts_at_their_own_addresses_and_wait_their_turn(cluster):
+    addresses = dict(Host.objects.values_list("name", "address"))
+    # Each host found its address by the route to the control plane: its namespace's own.
+    assert addresses == {"h0": cluster.network.address(0), "h1": cluster.network.address(1)}
+
+    # A dp2 run of two nodes spans both hosts, one rank each, and matches the same run on one.
+    spanning = submit(
+        cluster, "two hosts", {"layout": {"dp": 2}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 1}, "train": TRAIN}
+    )
+    assert spanning.status_code == 201, spanning.text
+    spanning_run = wait_finished(spanning.json()["id"])
+    assert spanning_run.status == "succeeded", spanning_run.status_reason
+    placed = spanning_run.events.get(kind="placed").data["nodes"]
+    assert sorted((n["host"], n["address"]) for n in placed) == sorted(addresses.items())
+    assert spanning_run.rendezvous.split(":")[0] in addresses.values()
+    rendezvous = list(spanning_run.events.filter(kind="rendezvous").values_list("data", flat=True))
+    assert sorted(r["node"] for r in rendezvous) == [0, 1] and {r["nodes"] for r in rendezvous} == {2}
+    assert list(spanning_run.checkpoints.values_list("step", flat=True)) == [2, 4]
+
+    single = wait_finished(submit(cluster, "one host", {"layout": {"dp": 2}, "train": TRAIN}).json()["id"])
+    assert single.status == "succeeded", single.status_reason
+    assert len(single.events.get(kind="placed").data["nodes"]) == 1
+    assert len(losses(spanning_run.pk)) == 4
+    assert losses(spanning_run.pk) == pytest.approx(losses(single.pk), rel=1e-6)
+
+    # More devices than the cluster has: refused at submit, saying why.
+    too_big = submit(
+        cluster,
+        "too big",
+        {
+            "layout": {"dp": 6},
+            "nodes": {"min": 2, "max": 2, "nproc_per_node": 3},
+            "train": {**TRAIN, "global_batch": 12},
+        },
+    )
+    assert too_big.status_code == 400
+    assert "the cluster has 2 CPU hosts with 4 CPU slots in all" in too_big.json()["spec"]["nodes"][0]
+
+    # Three runs that each take the whole cluster run one after another, never two at once.
+    whole = {"layout": {"dp": 4}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 2}, "train": TRAIN}
+    ids = [submit(cluster, f"whole {i}", whole).json()["id"] for i in range(3)]
+    wait_until(
+        lambda: Run.objects.get(pk=ids[1]).status_reason.startswith("waiting: needs 4 CPU slots"), 120, "the reason"
+    )
+    finished = [wait_finished(run_id) for run_id in ids]
+    assert [r.status for r in finished] == ["succeeded"] * 3
+    placed_at = [r.events.get(kind="placed").time for r in finished]
+    for before, after in zip(finished, placed_at[1:], strict=False):
+        assert before.finished_at <= after
+    assert cluster.api.get("/api/hosts/").json()["results"][0]["free"] == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_killed_mid_run_is_marked_lost_and_the_run_goes_on_on_the_other(cluster):
+    spec = {
+        "layout": {"dp": 2},
+        "nodes": {"min": 1, "max": 2, "nproc_per_node": 1},
+        "train": {"steps": 30, "warmup_steps": 2, "checkpoint_interval": 5, "global_batch": 8},
+    }
+    run_id = submit(cluster, "survives", spec).json()["id"]
+    wait_until(lambda: Run.objects.get(pk=run_id).step >= 3, 300, "the run to train on both hosts")
+    placed = {n["node"]: n["host"] for n in Run.objects.get(pk=run_id).events.get(kind="placed").data["nodes"]}
+    victim = placed[1]  # node 0's host keeps the rendezvous store
+    namespace = cluster.network.namespaces[int(victim.removeprefix("h"))]
+    # The host worker of B and the agent and rank it started go at once, as with a power cut.
+    assert cluster.network.kill_everything_in(namespace) >= 3
+
+    wait_until(lambda: Host.objects.get(name=victim).status == "lost", 30, f"{victim} to be marked lost")
+    run = wait_finished(run_id)
+    assert run.status == "succeeded", run.status_reason
+    lost = run.events.get(kind="host_lost").data
+    assert (lost["host"], lost["nodes"], lost["nodes_left"], lost["continues"]) == (victim, ["node-1"], 1, True)
+    assert run.events.filter(kind="restarting").exists()
+    # Node 0 met again alone (before or after the control plane marked the host lost).
+    assert 1 in {r["nodes"] for r in run.events.filter(kind="rendezvous").values_list("data", flat=True)}
+    assert run.step == 30
+    hosts = {h["name"]: h for h in cluster.api.get("/api/hosts/").json()["results"]}
+    assert hosts[victim]["status"] == "lost" and hosts[placed[0]]["status"] == "ready"
+
+
+@pytest.mark.vllm
+@pytest.mark.django_db(transaction=True)
+def test_a_deployment_on_a_namespace_host_answers_through_the_control_planes_v1_and_stops_there(cluster):
+    trained = submit(cluster, "servable", {"train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 6}}).json()
+    wait_until(
+        lambda: (c := cluster.api.get(f"/api/runs/{trained['id']}/checkpoints/").json()) and c[-1]["export_path"],
+        600, "the trained run's export",
+    )  # fmt: skip
+    checkpoint = cluster.api.get(f"/api/runs/{trained['id']}/checkpoints/").json()[-1]
+    options = {"dtype": "float32", "enforce_eager": True, "max_model_len": 64, "max_num_seqs": 4, "kv_cache_gib": 1}
+    body = {"checkpoint": checkpoint["id"], "replicas": 2, "options": options, "served_model_name": "spread"}
+    created = cluster.api.post("/api/deployments/", json=body)
+    assert created.status_code == 201, created.text
+    deployment_id = created.json()["id"]
+    try:
+        wait_until(
+            lambda: cluster.api.get(f"/api/deployments/{deployment_id}/").json()["status"] in ("ready", "failed"),
+            900, "two ready replicas",
+        )  # fmt: skip
+        deployment = cluster.api.get(f"/api/deployments/{deployment_id}/").json()
+        assert deployment["status"] == "ready", deployment
+        events = cluster.api.get(f"/api/deployments/{deployment_id}/events/").json()
+        placed = next(e["data"] for e in events if e["kind"] == "placed")
+        # Both replicas listen on their host's own address, where the web process reaches them.
+        assert placed["address"] in (cluster.network.address(0), cluster.network.address(1))
+        assert {r["url"].split("//")[1].split(":")[0] for r in deployment["replica_set"]} == {placed["address"]}
+        key = cluster.api.post(f"/api/deployments/{deployment_id}/keys/", json={"name": "t"}).json()["key"]
+        chat = httpx.post(
+            f"{cluster.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+            json={"model": "spread", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 5},
+        )  # fmt: skip
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["content"] is not None
+        host = next(h for h in cluster.api.get("/api/hosts/").json()["results"] if h["name"] == placed["host"])
+        assert sorted(c["node"] for c in host["claims"] if c["deployment"] == deployment_id) == [0, 1]
+        assert f"deployment-{deployment_id}" in {p["key"] for p in host["running"]}
+    finally:
+        cluster.api.post(f"/api/deployments/{deployment_id}/stop/")
+        wait_until(
+            lambda: cluster.api.get(f"/api/deployments/{deployment_id}/").json()["status"] == "stopped", 180, "the stop"
+        )
+    replicas = cluster.api.get(f"/api/deployments/{deployment_id}/").json()["replica_set"]
+    assert [r["status"] for r in replicas] == ["stopped", "stopped"]
+    # The supervisor stopped on its host, and the host's slots are free again.
+    wait_until(
+        lambda: all(
+            not h["claims"] and f"deployment-{deployment_id}" not in {p["key"] for p in h["running"]}
+            for h in cluster.api.get("/api/hosts/").json()["results"]
+        ),
+        60, "the host to report the supervisor gone",
+    )  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_broker_restarted_while_a_launch_is_in_flight_starts_the_run_exactly_once(cluster):
+    spec = {"layout": {"dp": 2}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 1}, "train": TRAIN}
+    run_id = submit(cluster, "through a restart", spec).json()["id"]
+    # The launch task, or the start tasks it sends to the hosts, are in the broker now: a restart
+    # loses them (it keeps nothing on disk). Placement runs from beat too, and a run that was
+    # placed but never started is launched again by the reconcile task.
+    cluster.broker.restart()
+    run = wait_finished(run_id, timeout=900)
+    assert run.status == "succeeded", run.status_reason
+    started = sorted(run.events.filter(kind="agent_started").values_list("data__node", flat=True))
+    assert started == [0, 1]
+    assert list(run.events.filter(kind="metrics").values_list("data__step", flat=True)) == [1, 2, 3, 4]
+    assert run.events.filter(kind="placed").count() == 1

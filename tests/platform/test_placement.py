@@ -1,0 +1,290 @@
+"""Gang placement on registered hosts: all nodes or none, never a device twice, a queue in
+priority then FIFO order with a visible reason, a 400 for a run that can never fit, devices
+back when a run ends. On the real database; start tasks are read off the broker's host queues."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import timedelta
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from deployments import services as deployment_services
+from deployments.models import Deployment
+from hosts.models import DeviceClaim, Host
+from hosts.scheduling import place_deployment
+from hosts.tasks import schedule_and_start, watch_hosts
+from runs import services
+from runs.models import Checkpoint, Run
+from runs.tasks import LAUNCH_GRACE, launch_run, reconcile_runs
+from tests.platform.conftest import purge_broker
+
+pytestmark = pytest.mark.django_db
+
+DP2_TWO_NODES = {
+    "layout": {"dp": 2},
+    "nodes": {"min": 2, "max": 2, "nproc_per_node": 1},
+    "train": {"steps": 4, "warmup_steps": 2},
+}
+
+
+def add_host(name: str, slots: int, address: str, kind: str = "cpu") -> Host:
+    return Host.objects.create(name=name, address=address, devices=[{"index": i, "kind": kind} for i in range(slots)])
+
+
+def submit(api, name: str, spec: dict, **extra):
+    return api.post("/api/runs/", {"name": name, "spec": spec, **extra}, format="json")
+
+
+def _queued_messages(queue: str) -> list[dict]:
+    if settings.CELERY_BROKER_URL.startswith("filesystem://"):
+        paths = sorted((settings.BROKER_DIR / "queue").glob(f"*.{queue}.msg"))
+        return [json.loads(path.read_text()) for path in paths]
+    # Redis: kombu keeps a queue as a list, newest first.
+    broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    return [json.loads(raw) for raw in reversed(broker.lrange(queue, 0, -1))]
+
+
+def host_tasks(queue: str) -> list[tuple[str, dict]]:
+    """(task name, kwargs) of each message waiting on a host's queue of the broker."""
+    found = []
+    for message in _queued_messages(queue):
+        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        found.append((message["headers"]["task"], kwargs))
+    return found
+
+
+def purge_host_queues() -> None:
+    purge_broker()
+    if not settings.CELERY_BROKER_URL.startswith("filesystem://"):
+        redis.Redis.from_url(settings.CELERY_BROKER_URL).delete("host.a", "host.b")
+
+
+@pytest.fixture
+def two_hosts():
+    purge_host_queues()
+    yield add_host("a", 1, "10.9.0.11"), add_host("b", 1, "10.9.0.12")
+    purge_host_queues()
+
+
+def test_a_two_node_run_is_placed_one_node_per_host_and_its_agents_start_there(alice_api, two_hosts):
+    response = submit(alice_api, "spans", DP2_TWO_NODES)
+    assert response.status_code == 201, response.json()
+    run_id = response.json()["id"]
+    # The submit queued its launch; the scheduling pass is what the launch task runs.
+    assert schedule_and_start() == [run_id]
+    run = Run.objects.get(pk=run_id)
+    assert run.status == "starting"
+    claims = list(DeviceClaim.objects.filter(run=run).values_list("node", "host__name", "device"))
+    assert sorted(claims) == [(0, "a", 0), (1, "b", 0)]
+    placed = run.events.get(kind="placed").data["nodes"]
+    assert [(n["node"], n["host"], n["devices"]) for n in placed] == [(0, "a", [0]), (1, "b", [0])]
+    # The rendezvous store is on the first host's address, and each agent is told its own.
+    assert run.rendezvous.startswith("10.9.0.11:")
+    tasks_a, tasks_b = host_tasks("host.a"), host_tasks("host.b")
+    # (Sent one after the other; the filesystem broker orders messages of one millisecond at random.)
+    assert sorted(t[1]["module"] for t in tasks_a) == ["training.agent", "training.agent.rendezvous_store"]
+    assert [t[1]["module"] for t in tasks_b] == ["training.agent"]
+    assert {t[0] for t in tasks_a + tasks_b} == {"hostworker.tasks.start_process"}
+    agent_b = tasks_b[0][1]
+    assert next(t[1] for t in tasks_a if t[1]["module"] == "training.agent")["args"][-2:] == ["--host-store", "no"]
+    assert agent_b["devices"] == [0] and agent_b["device_kind"] == "cpu"
+    args = agent_b["args"]
+    assert args[args.index("--rdzv-endpoint") + 1] == run.rendezvous
+    assert args[args.index("--local-addr") + 1] == "10.9.0.12"
+    assert args[args.index("--node-rank") + 1] == "1"
+    assert args[args.index("--events-url") + 1].startswith(settings.PUBLIC_URL)
+
+
+def test_a_run_that_can_never_fit_the_cluster_is_refused_naming_why(alice_api, two_hosts):
+    spec = {"layout": {"dp": 4}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 2}}
+    response = submit(alice_api, "too big", spec)
+    assert response.status_code == 400
+    message = response.json()["spec"]["nodes"][0]
+    assert (
+        "needs 2 nodes × 2 CPU slots" in message
+        and "2 CPU hosts with 2 CPU slots in all, at most 1 on one host" in message
+    )
+    three_nodes = {
+        "layout": {"dp": 3},
+        "train": {"global_batch": 6},
+        "nodes": {"min": 3, "max": 3, "nproc_per_node": 1},
+    }
+    assert "2 CPU hosts" in submit(alice_api, "three", three_nodes).json()["spec"]["nodes"][0]
+    # The launch form's check says the same.
+    assert alice_api.post("/api/runs/check/", {"spec": spec}, format="json").status_code == 400
+    assert not Run.objects.exists()
+
+
+def test_without_hosts_any_run_is_accepted_as_before(alice_api):
+    spec = {"layout": {"dp": 4}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 2}}
+    assert submit(alice_api, "local", spec).status_code == 201
+
+
+def test_runs_wait_in_priority_then_fifo_order_with_a_reason_and_take_the_devices_an_ended_run_frees(
+    alice_api, two_hosts
+):
+    first = submit(alice_api, "first", DP2_TWO_NODES).json()["id"]
+    second = submit(alice_api, "second", DP2_TWO_NODES).json()["id"]
+    third = submit(alice_api, "third", {"train": {"steps": 4, "warmup_steps": 2}}).json()["id"]
+    assert schedule_and_start() == [first]
+    queued = {r["id"]: r for r in alice_api.get("/api/runs/?status=queued").json()["results"]}
+    assert queued[second]["status_reason"] == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 0 free"
+    # The one-slot run fits no less than the head of the queue, but does not jump it.
+    assert queued[third]["status_reason"] == "waiting: behind an earlier run in the queue that does not fit yet"
+    assert Run.objects.get(pk=second).events.filter(kind="waiting").count() == 1
+    assert schedule_and_start() == []
+    assert Run.objects.get(pk=second).events.filter(kind="waiting").count() == 1  # said once
+
+    urgent = submit(alice_api, "urgent", {"train": {"steps": 4, "warmup_steps": 2}}, priority=5).json()["id"]
+    # The first run ends: its devices go back at once, and the queue moves in order.
+    services.do_set_status(Run.objects.get(pk=first), Run.Status.FAILED, "node lost")
+    assert not DeviceClaim.objects.filter(run_id=first).exists()
+    assert schedule_and_start() == [urgent]  # priority first; the second run no longer fits beside it
+    assert Run.objects.get(pk=second).status_reason.startswith("waiting: needs 2 CPU slots")
+    services.do_set_status(Run.objects.get(pk=urgent), Run.Status.SUCCEEDED)
+    assert schedule_and_start() == [second]
+    assert Run.objects.get(pk=third).status == "queued"
+
+
+def test_cancelling_a_placed_run_sends_stop_to_each_of_its_hosts_and_frees_its_devices(
+    alice_api, two_hosts, django_capture_on_commit_callbacks
+):
+    run_id = submit(alice_api, "spans", DP2_TWO_NODES).json()["id"]
+    schedule_and_start()
+    purge_host_queues()
+    with django_capture_on_commit_callbacks(execute=True):
+        services.do_cancel_run(Run.objects.get(pk=run_id))
+    assert host_tasks("host.a") == [("hostworker.tasks.stop_process", {"key": f"run-{run_id}-node-0"})]
+    assert host_tasks("host.b") == [("hostworker.tasks.stop_process", {"key": f"run-{run_id}-node-1"})]
+    # The agents say `cancelled`; the run ends and its devices are free.
+    services.do_set_status(Run.objects.get(pk=run_id), Run.Status.CANCELLED, "cancelled")
+    assert not DeviceClaim.objects.exists()
+
+
+def test_a_draining_or_lost_host_is_given_nothing(alice_api, two_hosts):
+    a, _ = two_hosts
+    Host.objects.filter(pk=a.pk).update(status=Host.Status.DRAINING)
+    run_id = submit(alice_api, "one", {"train": {"steps": 4, "warmup_steps": 2}}).json()["id"]
+    assert schedule_and_start() == [run_id]
+    assert set(DeviceClaim.objects.values_list("host__name", flat=True)) == {"b"}
+
+
+def test_nodes_spread_over_hosts_while_they_can_and_share_one_when_they_must(alice_api):
+    purge_host_queues()
+    add_host("a", 3, "10.9.0.11"), add_host("b", 1, "10.9.0.12")
+    spread = submit(alice_api, "spread", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [spread]
+    # Best fit first (b, the smaller hole), then another host rather than b again.
+    claims = sorted(DeviceClaim.objects.filter(run_id=spread).values_list("node", "host__name", "device"))
+    assert claims == [(0, "b", 0), (1, "a", 0)]
+    shared = submit(alice_api, "shared", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [shared]
+    claims = sorted(DeviceClaim.objects.filter(run_id=shared).values_list("node", "host__name", "device"))
+    assert claims == [(0, "a", 1), (1, "a", 2)]
+    purge_host_queues()
+
+
+def test_a_lost_host_is_a_lost_node_the_run_goes_on_without_or_resumes_from_when_it_must(
+    alice_api, two_hosts, settings, django_capture_on_commit_callbacks
+):
+    settings.HOST_LOST_AFTER_SECONDS = 15
+    elastic = {**DP2_TWO_NODES, "nodes": {"min": 1, "max": 2, "nproc_per_node": 1}}
+    goes_on = submit(alice_api, "elastic", elastic).json()["id"]
+    assert schedule_and_start() == [goes_on]
+    Host.objects.update(last_seen=timezone.now())
+    Host.objects.filter(name="b").update(last_seen=timezone.now() - timedelta(seconds=16))
+    purge_host_queues()
+    assert watch_hosts() == ["b"]
+    run = Run.objects.get(pk=goes_on)
+    assert run.status == "starting"
+    assert run.events.get(kind="host_lost").data == {
+        "host": "b",
+        "address": "10.9.0.12",
+        "nodes": ["node-1"],
+        "nodes_left": 1,
+        "continues": True,
+    }
+    services.do_set_status(run, Run.Status.SUCCEEDED)
+
+    rigid = submit(alice_api, "rigid", DP2_TWO_NODES).json()["id"]
+    Host.objects.filter(name="b").update(status=Host.Status.READY, last_seen=timezone.now())
+    assert schedule_and_start() == [rigid]
+    Host.objects.filter(name="b").update(last_seen=timezone.now() - timedelta(seconds=16))
+    purge_host_queues()
+    with django_capture_on_commit_callbacks(execute=True):
+        assert watch_hosts() == ["b"]
+    run = Run.objects.get(pk=rigid)
+    assert run.events.get(kind="host_lost").data["continues"] is False
+    # Stopped where it still ran, failed with the reason, queued again to resume from its checkpoint.
+    assert ("hostworker.tasks.stop_process", {"key": f"run-{rigid}-node-0"}) in host_tasks("host.a")
+    assert all(task != "hostworker.tasks.stop_process" for task, _ in host_tasks("host.b"))
+    statuses = [e.data["status"] for e in run.events.filter(kind__in=["status", "queued"]).order_by("seq")]
+    assert statuses[-2:] == ["failed", "queued"]
+    assert (run.status, run.resume) == ("queued", True)
+    # b is lost and a has one slot: it waits, saying so.
+    assert run.status_reason == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 1 free"
+
+
+def test_a_deployments_replicas_take_a_device_each_on_one_host_and_give_them_back(alice, alice_api, two_hosts):
+    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    deployment = Deployment.objects.create(
+        owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=2
+    )
+    # Two replicas share one supervisor, so one host: two hosts of one slot cannot hold them.
+    assert place_deployment(deployment.pk, 2, "cpu") == (
+        "no ready host has 2 CPU slots free for 2 replicas (one host runs a deployment; the most free on one is 1)"
+    )
+    host, devices = place_deployment(deployment.pk, 1, "cpu")
+    assert (host.name, devices) == ("a", [0])
+    # A run of two nodes now waits for the slot the replica holds.
+    waiting = submit(alice_api, "waits", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == []
+    assert Run.objects.get(pk=waiting).status_reason.endswith(", 1 free")
+    deployment_services.do_set_status(deployment, Deployment.Status.STOPPED, only_from=Deployment.Status.values)
+    assert not DeviceClaim.objects.filter(deployment=deployment).exists()
+    assert schedule_and_start() == [waiting]
+
+
+def test_reconcile_leaves_waiting_runs_to_the_scheduler_once_hosts_exist(alice_api, two_hosts):
+    first = submit(alice_api, "first", DP2_TWO_NODES).json()["id"]
+    waiting = submit(alice_api, "waiting", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [first]
+    Run.objects.filter(pk=waiting).update(created_at=timezone.now() - timedelta(minutes=5))
+    purge_host_queues()
+    reconcile_runs()
+    # Without hosts it re-sends launches a dead worker lost; here a waiting run only waits.
+    assert [m for m in _queued_messages("celery") if m["headers"]["task"] == "runs.tasks.launch_run"] == []
+
+
+def test_a_placed_run_whose_agents_never_started_is_sent_again_unless_it_was_cancelled(alice_api, two_hosts):
+    run_id = submit(alice_api, "lost start", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [run_id]
+    # Its start tasks were lost (a broker without redelivery, a dead host worker): past the
+    # grace, the launch task (as reconcile re-sends it) sends them again, with a new launch number.
+    purge_host_queues()
+    Run.objects.filter(pk=run_id).update(last_report_at=timezone.now() - LAUNCH_GRACE * 2)
+    assert launch_run(run_id) == f"run {run_id}: start tasks sent again"
+    assert [kwargs["launch"] for _, kwargs in host_tasks("host.b")] == [2]
+    # Cancelled meanwhile: it ends instead, and its devices go back.
+    purge_host_queues()
+    Run.objects.filter(pk=run_id).update(cancel_requested=True, last_report_at=timezone.now() - LAUNCH_GRACE * 2)
+    launch_run(run_id)
+    assert Run.objects.get(pk=run_id).status == "cancelled"
+    assert host_tasks("host.a") == host_tasks("host.b") == []
+    assert not DeviceClaim.objects.exists()
+
+
+def test_the_database_refuses_a_device_given_twice(django_user_model):
+    host = add_host("a", 1, "10.9.0.11")
+    owner = django_user_model.objects.create(username="o")
+    runs = [Run.objects.create(owner=owner, name=f"r{i}", spec={}) for i in range(2)]
+    DeviceClaim.objects.create(host=host, device=0, run=runs[0], node=0)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        DeviceClaim.objects.create(host=host, device=0, run=runs[1], node=0)
