@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from training.run_dir import RunDir
+
 SLOTS = 2
 
 
@@ -53,14 +55,15 @@ class MemorySnapshots:
 
     def __init__(
         self,
-        directory: Path,
+        folder: RunDir,
         *,
         rank: int,
         identity: dict[str, Any],
         parts: list[torch.nn.Module],
         optimizers: list[torch.optim.Optimizer],
     ) -> None:
-        self.directory = directory
+        self.folder = folder
+        self.directory = folder.memory_snapshot_dir
         self.rank = rank
         self.identity = identity  # layout and world size: a snapshot is read back only under the same
         self.parts = parts
@@ -71,18 +74,17 @@ class MemorySnapshots:
     # --- files ---------------------------------------------------------------------------------
 
     def _data_file(self, slot: int) -> Path:
-        return self.directory / f"rank{self.rank}-slot{slot}.bin"
-
-    def _meta_file(self, slot: int) -> Path:
-        return self.directory / f"rank{self.rank}-slot{slot}.meta"
+        return self.folder.memory_snapshot_data(self.rank, slot)
 
     def _read_meta(self, slot: int) -> dict[str, Any] | None:
-        try:
-            with self._meta_file(slot).open("rb") as f:
-                meta: dict[str, Any] = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError):
-            return None
-        return meta if meta.get("identity") == self.identity else None
+        for path in self.folder.memory_snapshot_metas(self.rank, slot):
+            try:
+                with path.open("rb") as f:
+                    meta: dict[str, Any] = pickle.load(f)
+            except (OSError, pickle.UnpicklingError, EOFError):
+                return None
+            return meta if meta.get("identity") == self.identity else None
+        return None
 
     # --- what a snapshot holds -----------------------------------------------------------------
 
@@ -119,7 +121,8 @@ class MemorySnapshots:
             offset += local.numel() * local.element_size()
             offset += -offset % 64  # aligned, so each view is a plain typed array
         slot = self._next_slot
-        self._meta_file(slot).unlink(missing_ok=True)  # from here on this slot is not a snapshot
+        for old in self.folder.memory_snapshot_metas(self.rank, slot):
+            old.unlink(missing_ok=True)  # from here on this slot is not a snapshot
         buffer = self._buffer(slot, offset)
         whole = torch.from_numpy(buffer)
         for entry, (_, tensor) in zip(entries, tensors, strict=True):
@@ -128,10 +131,11 @@ class MemorySnapshots:
             view = whole[entry.offset : entry.offset + nbytes].view(entry.dtype).view(entry.shape)
             view.copy_(local.detach())
         meta = {"step": step, "identity": self.identity, "entries": entries, "extra": extra}
-        tmp = self._meta_file(slot).with_suffix(".tmp")
+        final = self.folder.memory_snapshot_meta(self.rank, slot, step)
+        tmp = final.with_suffix(".tmp")
         with tmp.open("wb") as f:
             pickle.dump(meta, f)
-        os.replace(tmp, self._meta_file(slot))
+        os.replace(tmp, final)
         self._next_slot = (slot + 1) % SLOTS
 
     def steps(self) -> list[int]:

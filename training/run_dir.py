@@ -26,7 +26,8 @@
         exports/step_<NNNNNNNN>.tmp/    an export being written
 
     /dev/shm/fathom-<hash of RUN_DIR>/  (or $FATHOM_SNAPSHOT_ROOT) each rank's in-memory snapshots
-        rank<R>-slot<S>.bin, .meta      on this host (training.memory_snapshot), for as long as the agent lives
+        rank<R>-slot<S>.bin             on this host (training.memory_snapshot), for as long as the agent lives
+        rank<R>-slot<S>-step<N>.meta    what a slot holds, once it is whole
 
 Plain file-system logic with no torch, so the node agent, the control plane and the tools all
 read it; `training.checkpoint` writes checkpoints under the same names.
@@ -145,6 +146,18 @@ class RunDir:
         agent removes it when it exits."""
         digest = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
         return Path(os.environ.get(SNAPSHOT_ROOT, "/dev/shm")) / f"fathom-{digest}"
+
+    def memory_snapshot_data(self, rank: int, slot: int) -> Path:
+        return self.memory_snapshot_dir / f"rank{rank}-slot{slot}.bin"
+
+    def memory_snapshot_meta(self, rank: int, slot: int, step: int) -> Path:
+        """What a slot holds; its name says the step, so the agent can tell progress without reading it."""
+        return self.memory_snapshot_dir / f"rank{rank}-slot{slot}-step{step:08d}.meta"
+
+    def memory_snapshot_metas(self, rank: int, slot: int | None = None) -> dict[Path, int]:
+        """Rank `rank`'s whole snapshots on this host (of one slot, or all): meta file → step."""
+        pattern = f"rank{rank}-slot{'*' if slot is None else slot}-step*.meta"
+        return {p: int(p.stem.rsplit("-step", 1)[1]) for p in self.memory_snapshot_dir.glob(pattern)}
 
     @property
     def cancel_marker(self) -> Path:

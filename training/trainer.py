@@ -127,7 +127,7 @@ class Trainer:
         # In-memory snapshots only under a node agent, which removes them when it exits.
         self.snapshots = (
             MemorySnapshots(
-                RunDir(run_dir).memory_snapshot_dir,
+                RunDir(run_dir),
                 rank=rank,
                 identity={"layout": dataclasses.asdict(spec.layout), "world_size": world_size},
                 parts=list(self.model.parts),

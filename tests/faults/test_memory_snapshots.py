@@ -47,3 +47,15 @@ def test_a_killed_rank_resumes_from_memory_on_the_uninterrupted_loss_curve(
     assert sorted(faulty.losses()) == list(range(1, STEPS + 1))
     # The agent removed the snapshots from shared memory when it exited.
     assert not RunDir(tmp_path / "faulty").memory_snapshot_dir.exists()
+
+
+def test_progress_kept_only_in_memory_gives_the_restart_budget_back(agents: Agents, tmp_path: Path) -> None:
+    """Three crashes, one restart allowed in a row, no disk checkpoint before the last step: each
+    attempt moved the newest snapshot on, so none of them counts against the budget."""
+    data = _spec({"dp": 2}, [{"kind": "kill_rank", "rank": 1, "step": s} for s in (8, 14, 20)]).to_dict()
+    data["nodes"]["max_restarts"] = 1
+    run = agents.run(RunSpec.from_dict(data), tmp_path / "run")
+    assert run.process.returncode == 0, run.tail()
+    assert len(run.of_kind("restarting")) == 3
+    assert [r["source"] for r in run.of_kind("resumed")] == ["memory"] * 3
+    assert sorted(run.losses()) == list(range(1, STEPS + 1))

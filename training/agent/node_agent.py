@@ -10,8 +10,8 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
 * ranks are started so they die with the agent and log to their rank log (`training.run_dir`)
   (`training.agent.rank_processes`), and are watched for hangs as well as exits (`training.agent.watchdog`);
 * the restart budget (`nodes.max_restarts`) counts failures in a row without progress: an attempt
-  that committed a newer checkpoint than it resumed from gives the budget back, so a long run that
-  fails now and then is not ended by it, while a crash loop still is;
+  that left a newer checkpoint or in-memory snapshot than it could resume from gives the budget
+  back, so a long run that fails now and then is not ended by it, while a crash loop still is;
 * restarts after a failure that made no progress back off exponentially;
 * a rank that reports an error no restart can cure (bad data, a spec it refuses, a broken
   tokenizer: `training.rank_environment.RankError`) fails the run at once with that reason;
@@ -150,7 +150,7 @@ class NodeAgent(SimpleElasticAgent):
         self._watchdog = Watchdog(WatchdogConfig(heartbeat_timeout=plan.nodes.heartbeat_timeout))
         self._nodes: int | None = None  # nodes in the last rendezvous
         self._attempt = 0
-        self._from_step = 0  # the checkpoint the current ranks resumed from
+        self._from_step = 0  # the newest state the current ranks could resume from when they started
         self._failures_without_progress = 0
         self._restarts = 0
         # Restarts since the run last committed a checkpoint newer than the one its ranks resumed
@@ -183,7 +183,7 @@ class NodeAgent(SimpleElasticAgent):
         )
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self._from_step = self.config.folder.latest_committed_step()
+        self._from_step = self._recoverable_step()
         # The run's spec as the control plane wrote it: each rank fits it to the world it finds
         # (WORLD_SIZE, GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE) when the rendezvous formed a smaller one.
         argv = ["--spec", str(self.config.spec_file), "--run-dir", str(self.config.run_dir)]
@@ -306,7 +306,7 @@ class NodeAgent(SimpleElasticAgent):
                 if fatal is not None:
                     self._stop_workers(group)
                     return fatal
-                if self.config.folder.latest_committed_step() > self._from_step:
+                if self._recoverable_step() > self._from_step:
                     self._restarts_in_a_row = 0  # the attempt saved progress: the budget is whole again
                 if self._restarts_in_a_row >= self.plan.nodes.max_restarts:
                     self._stop_workers(group)
@@ -367,6 +367,14 @@ class NodeAgent(SimpleElasticAgent):
                     },
                 )
         return None
+
+    def _recoverable_step(self) -> int:
+        """The newest step a restart of this node's ranks could resume from: the newest committed
+        checkpoint, or the newest in-memory snapshot every local rank holds (`training.memory_snapshot`),
+        so progress kept only in memory also gives the restart budget back."""
+        folder = self.config.folder
+        in_memory = [max(folder.memory_snapshot_metas(r.global_rank).values(), default=0) for r in self._ranks]
+        return max(folder.latest_committed_step(), min(in_memory, default=0))
 
     def _progressed(self) -> bool:
         """Whether the failed attempt finished at least one step past its checkpoint."""
