@@ -62,7 +62,8 @@ def web_command(port: int, host: str = "127.0.0.1", *, access_log: bool = False)
     command = [
         sys.executable, "-m", "uvicorn", "controlplane.web:web_application", "--factory",
         "--host", host, "--port", str(port),
-        "--loop", "uvloop", "--http", "httptools", "--ws", "websockets",
+        # websockets-sansio: uvicorn ≥ 0.35 warns (on stderr, as plain text) that "websockets" is deprecated.
+        "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio",
         "--lifespan", "off",  # Channels' ProtocolTypeRouter has no lifespan handler
     ]  # fmt: skip
     if not access_log:
