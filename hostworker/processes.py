@@ -29,6 +29,8 @@ MODULES = ("training.agent", "training.agent.rendezvous_store", "serving.supervi
 
 
 def is_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not yet reaped by its parent, does not).
+    The control plane asks the same of the processes it starts (`controlplane.processes`)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

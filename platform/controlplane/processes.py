@@ -12,6 +12,12 @@ from pathlib import Path
 
 from django.conf import settings
 
+# Whether a pid still lives: one answer for the control plane and the host worker, which owns it
+# (it runs without Django).
+from hostworker.processes import is_alive
+
+__all__ = ["flock_held", "free_port", "is_alive", "python_env", "start_detached"]
+
 
 def python_env() -> dict[str, str]:
     """The environment of a `python -m` the control plane starts: the repository importable, one
@@ -31,18 +37,6 @@ def start_detached(command: list[str], log: Path, env: dict[str, str] | None = N
     return process.pid
 
 
-def is_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, exited but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def flock_held(path: Path) -> bool:
