@@ -51,23 +51,19 @@ def stop_deployment(deployment_id: int) -> str:
 @shared_task
 def reconcile_deployments() -> int:
     """Fails active deployments whose supervisor process is gone; returns how many."""
+    def fail(deployment: Deployment, reason: str) -> bool:
+        return services.do_set_status(
+            deployment, Deployment.Status.FAILED, only_from=[deployment.status], reason=reason,
+            event="failed", data={"reason": reason},
+        )  # fmt: skip
+
     failed = 0
     # A deployment on a host that was lost lost its replicas with it.
     for deployment in Deployment.objects.filter(status__in=SUPERVISED, device_claims__host__status=Host.Status.LOST).distinct():
-        reason = "its host was lost"
-        if services.do_set_status(
-            deployment, Deployment.Status.FAILED, only_from=[deployment.status], reason=reason,
-            event="failed", data={"reason": reason},
-        ):  # fmt: skip
-            failed += 1
+        failed += fail(deployment, "its host was lost")
     for deployment in Deployment.objects.filter(status__in=SUPERVISED, supervisor_pid__isnull=False):
         if deployment.supervisor_pid is not None and not is_alive(deployment.supervisor_pid):
-            reason = "the replica supervisor exited"
-            if services.do_set_status(
-                deployment, Deployment.Status.FAILED, only_from=[deployment.status], reason=reason,
-                event="failed", data={"reason": reason},
-            ):  # fmt: skip
-                failed += 1
+            failed += fail(deployment, "the replica supervisor exited")
     return failed
 
 
