@@ -128,6 +128,8 @@ class Processes:
         known = self._read().get(key)
         pid = known["pid"] if known else None
         if pid is None or not is_alive(pid):
+            # An agent that saw its run's cancel marker first has already exited: nothing to stop.
+            log.info("stop %s: not running", key)
             return False
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, sig)
