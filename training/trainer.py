@@ -33,7 +33,7 @@ from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
 from training.rank_environment import RankEnvironment
 from training.rank_events import EventLog
-from training.run_dir import RunDir
+from training.run_dir import RunDir, step_of
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -268,7 +268,7 @@ class Trainer:
         if self.distributed:
             dist.barrier()  # every rank sees the same checkpoints folder from here on
         checkpoint = RunDir(self.run_dir).latest_checkpoint()
-        memory_step = self._memory_step(RunDir(self.run_dir).latest_committed_step())
+        memory_step = self._memory_step(0 if checkpoint is None else int(step_of(checkpoint) or 0))
         if memory_step is not None:
             assert self.snapshots is not None
             extra = self.snapshots.restore(memory_step)
