@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from serving.errors import OpenAIError, no_replica_available, normalize_error_body, upstream_failed, upstream_timeout
-from serving.state import DeploymentDir, read_state
+from serving.state import read_state, state_files
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +60,25 @@ class StaticReplicas:
 
 
 class StateFileReplicas:
-    """The routable replicas of a supervisor's state file (`DeploymentState.routable`), re-read
-    when the file changes."""
+    """The routable replicas of a deployment's state files (`DeploymentState.routable`: one file
+    per supervisor), re-read when one changes."""
 
     def __init__(self, state_dir: str | Path) -> None:
         self._state_dir = Path(state_dir)
-        self._path = DeploymentDir(self._state_dir).state_file
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[tuple[int, int], ...] | None = None
         self._endpoints: list[ReplicaEndpoint] = []
 
     def endpoints(self) -> list[ReplicaEndpoint]:
-        try:
-            stat = os.stat(self._path)
-        except FileNotFoundError:
+        stamps = []
+        for path in state_files(self._state_dir):
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:
+                continue
+            stamps.append((stat.st_mtime_ns, stat.st_ino))  # a supervisor replaces its file: new inode
+        if not stamps:
             return []
-        stamp = (stat.st_mtime_ns, stat.st_ino)  # the supervisor replaces the file: new inode
+        stamp = tuple(stamps)
         if stamp != self._stamp:
             try:
                 state = read_state(self._state_dir)

@@ -9,6 +9,12 @@
         tmp/, vllm-cache/       the replicas' temporary files and vLLM's cache (serving.vllm)
         events.offset           the control plane: how far it has stored events.jsonl
         metrics.previous.json   the control plane: the counters of its last metrics scrape
+        hosts/<HOST>/           a deployment placed on hosts: one supervisor per host, each with
+                                its own deployment.json … events.offset in this layout
+
+A deployment's replicas spread over several hosts run under one supervisor per host, each writing
+its own folder under hosts/ (its replicas keep the deployment's numbering); `read_state` and
+`supervisor_dirs` give readers the deployment as one.
 
 The supervisor writes state and events (`write_state`, `append_event`); the control plane and
 the routers read them (`read_state`, `read_events`). Which replicas may take requests is
@@ -61,6 +67,14 @@ class DeploymentDir:
 
     def replica_log(self, index: int) -> Path:
         return self.logs_dir / f"replica-{index}.log"
+
+    @property
+    def hosts_dir(self) -> Path:
+        return self.path / "hosts"
+
+    def on_host(self, host: str) -> DeploymentDir:
+        """The folder of the supervisor that runs the deployment's replicas on `host`."""
+        return DeploymentDir(self.hosts_dir / host)
 
     @property
     def events_offset_file(self) -> Path:
@@ -146,12 +160,52 @@ def append_event(folder: DeploymentDir, event: ReplicaEvent) -> None:
         events.write(json.dumps(event.to_dict()) + "\n")
 
 
-def read_state(state_dir: str | Path) -> DeploymentState | None:
-    """The last state a supervisor wrote, or None before its first write."""
+def supervisor_dirs(state_dir: str | Path) -> list[DeploymentDir]:
+    """The folders of a deployment's supervisors: one per host it was placed on, or its own folder
+    (one supervisor on the control plane's machine)."""
+    folder = DeploymentDir(Path(state_dir))
     try:
-        return DeploymentState.from_dict(json.loads(DeploymentDir(Path(state_dir)).state_file.read_text()))
+        on_hosts = sorted(p for p in folder.hosts_dir.iterdir() if p.is_dir())
+    except FileNotFoundError:
+        return [folder]
+    return [DeploymentDir(p) for p in on_hosts] or [folder]
+
+
+def _read_one(folder: DeploymentDir) -> DeploymentState | None:
+    try:
+        return DeploymentState.from_dict(json.loads(folder.state_file.read_text()))
     except FileNotFoundError:
         return None
+
+
+def read_state(state_dir: str | Path) -> DeploymentState | None:
+    """The last state the deployment's supervisors wrote, as one (replicas in index order), or
+    None before any wrote. Of a supervisor's own folder: its state."""
+    states = [s for s in map(_read_one, supervisor_dirs(state_dir)) if s is not None]
+    if len(states) <= 1:
+        return states[0] if states else None
+    replicas = []
+    for state in states:
+        # A supervisor that is stopping drains its replicas: no router may pick them meanwhile.
+        replicas += [dataclasses.replace(r, phase="draining") if state.stopping and r.phase == "ready" else r for r in state.replicas]
+    return DeploymentState(
+        deployment=states[0].deployment,
+        supervisor_pid=states[0].supervisor_pid,  # another host's pid: only `request_stop` on one host uses it
+        updated_at=min(s.updated_at for s in states),
+        stopping=all(s.stopping for s in states),
+        replicas=sorted(replicas, key=lambda r: r.index),
+    )
+
+
+def state_files(state_dir: str | Path) -> list[Path]:
+    """The state files `read_state` reads: a reader that caches the state re-reads when one changes."""
+    return [folder.state_file for folder in supervisor_dirs(state_dir)]
+
+
+def replica_log(state_dir: str | Path, index: int) -> Path:
+    """Replica `index`'s log, in the folder of the supervisor that runs it."""
+    logs = [folder.replica_log(index) for folder in supervisor_dirs(state_dir)]
+    return next((log for log in logs if log.exists()), logs[0])
 
 
 def read_events(state_dir: str | Path, offset: int = 0) -> tuple[list[ReplicaEvent], int]:

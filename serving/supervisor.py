@@ -80,6 +80,9 @@ class DeploymentConfig:
     state_dir: str  # this deployment's folder (serving.state.DeploymentDir)
     python: str  # interpreter of the vLLM environment (tools/vllm_env.sh prints it)
     replicas: int = 1
+    # The deployment's number of this supervisor's first replica: a deployment spread over hosts
+    # runs one supervisor per host, on replicas first_replica … first_replica + replicas - 1.
+    first_replica: int = 0
     options: ReplicaOptions = field(default_factory=ReplicaOptions)
     host: str = "127.0.0.1"
     # CPU core lists handed out round-robin (replica i gets cpu_binds[i % len]); empty keeps
@@ -113,6 +116,8 @@ class DeploymentConfig:
             raise OptionError("name", f"must be a non-empty model name without spaces; got {self.name!r}")
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= MAX_REPLICAS:
             raise OptionError("replicas", f"must be an integer from 1 to {MAX_REPLICAS}; got {self.replicas!r}")
+        if not isinstance(self.first_replica, int) or not 0 <= self.first_replica < MAX_REPLICAS:
+            raise OptionError("first_replica", f"must be an integer from 0 to {MAX_REPLICAS - 1}; got {self.first_replica!r}")
         if isinstance(self.options, dict):
             object.__setattr__(self, "options", ReplicaOptions.from_dict(self.options))
         object.__setattr__(self, "cpu_binds", tuple(self.cpu_binds))
@@ -171,7 +176,7 @@ class Supervisor:
         self._on_event = on_event
         self._state_dir = Path(config.state_dir)
         self._folder = DeploymentDir(self._state_dir)
-        self._replicas = [ReplicaState(index=i) for i in range(config.replicas)]
+        self._replicas = [ReplicaState(index=config.first_replica + i) for i in range(config.replicas)]
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -263,7 +268,7 @@ class Supervisor:
 
     async def _spawn(self, replica: ReplicaState) -> tuple[asyncio.subprocess.Process, LaunchSpec]:
         cfg = self.config
-        bind = cfg.cpu_binds[replica.index % len(cfg.cpu_binds)] if cfg.cpu_binds else None
+        bind = cfg.cpu_binds[(replica.index - cfg.first_replica) % len(cfg.cpu_binds)] if cfg.cpu_binds else None
         launch = replica_launch(
             cfg.options, cfg.checkpoint,
             served_model_name=cfg.name, port=free_port(cfg.host), python=cfg.python,

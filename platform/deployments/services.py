@@ -18,7 +18,7 @@ from deployments.models import ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
 from hosts.models import DeviceClaim
 from runs.models import Checkpoint
-from serving.state import DeploymentDir
+from serving.state import replica_log
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 
@@ -151,8 +151,8 @@ def do_record(deployment: Deployment, kind: str, data: dict[str, Any]) -> Deploy
 
 
 def log_tail(deployment: Deployment, replica: int, lines: int) -> list[str]:
-    """The last `lines` of a replica's log, which the supervisor writes in the deployment folder."""
-    path = DeploymentDir(deployment.folder).replica_log(replica)
+    """The last `lines` of a replica's log, which its supervisor writes in the deployment folder."""
+    path = replica_log(deployment.folder, replica)
     if not path.exists():
         return []
     with path.open("r", errors="replace") as f:

@@ -23,11 +23,11 @@ from deployments import services
 from deployments.models import Deployment, Replica
 from deployments.options import stored_options
 from hosts import capacity, scheduling
-from hosts.models import DeviceClaim, Host
+from hosts.models import Host
 from runs import exports
 from runs.launcher import send_to_host
 from serving import metrics as replica_metrics
-from serving.state import DeploymentDir, read_events, read_state
+from serving.state import DeploymentDir, read_events, read_state, supervisor_dirs
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
 
 # Replica metrics are scraped with this budget each sync; a replica slower than that is skipped
@@ -35,18 +35,22 @@ from serving.supervisor import DeploymentConfig, launch_detached, request_stop
 SCRAPE_TIMEOUT_SECONDS = 1.5
 
 
-def config_for(deployment: Deployment, export_path: Path, host: Host | None = None, slots: list[int] | None = None) -> DeploymentConfig:
-    """The supervisor's config: on this machine, or on `host` (its address, its CPU slots `slots`),
-    with the options the deployment stored resolved at create."""
+def config_for(deployment: Deployment, export_path: Path, group: scheduling.ReplicaGroup | None = None) -> DeploymentConfig:
+    """The supervisor's config: on this machine (all replicas), or for the replicas `group` puts
+    on one host (its address, its CPU slots), with the options the deployment stored resolved at
+    create."""
     options = stored_options(deployment.options)
+    folder = DeploymentDir(deployment.folder)
+    host = group.host if group is not None else None
     cores = (host.cores if host is not None else 0) or os.cpu_count() or 1
-    slots = slots or list(range(deployment.replicas))
+    slots = group.devices if group is not None else list(range(deployment.replicas))
     return DeploymentConfig(
         name=deployment.served_model_name,
         checkpoint=str(export_path),
-        state_dir=str(deployment.folder),
+        state_dir=str(folder.on_host(host.name).path if host is not None else folder.path),
         python=settings.VLLM_PYTHON,
-        replicas=deployment.replicas,
+        replicas=len(slots),
+        first_replica=group.first_replica if group is not None else 0,
         options=options,
         # Replicas listen on their host's address, where the router reaches them.
         host=host.address if host is not None else "127.0.0.1",
@@ -58,22 +62,22 @@ def config_for(deployment: Deployment, export_path: Path, host: Host | None = No
 
 
 def supervisor_key(deployment: Deployment) -> str:
-    """How a host worker names the deployment's supervisor."""
+    """How a host worker names the deployment's supervisor (one per host)."""
     return f"deployment-{deployment.pk}"
 
 
-def placed_host(deployment: Deployment) -> Host | None:
-    claim = DeviceClaim.objects.filter(deployment=deployment).select_related("host").first()
-    return claim.host if claim is not None else None
+def placed_hosts(deployment: Deployment) -> list[Host]:
+    """The hosts that run the deployment's replicas; empty when it runs on this machine."""
+    return list(Host.objects.filter(claims__deployment=deployment).distinct().order_by("pk"))
 
 
 def start(deployment: Deployment) -> int | None:
     """Exports the checkpoint if needed and starts the deployment's supervisor: here (returns its
-    pid), or, once hosts have registered, on a host with a free device per replica (a task to its
-    queue; returns None)."""
+    pid), or, once hosts have registered, one on each host that got a free device for some of its
+    replicas (a task to each host's queue; returns None)."""
     export_path = exports.export(deployment.checkpoint)
     if capacity.cluster_exists():
-        _start_on_host(deployment, export_path)
+        _start_on_hosts(deployment, export_path)
         return None
     config = config_for(deployment, export_path)
     with transaction.atomic():
@@ -82,32 +86,38 @@ def start(deployment: Deployment) -> int | None:
     return launch_detached(config, python=sys.executable)
 
 
-def _start_on_host(deployment: Deployment, export_path: Path) -> None:
+def _start_on_hosts(deployment: Deployment, export_path: Path) -> None:
     kind = "gpu" if stored_options(deployment.options).device == "cuda" else "cpu"
     placement = scheduling.place_deployment(deployment.pk, deployment.replicas, kind)
     if isinstance(placement, str):
         raise RuntimeError(placement)
-    host, devices = placement
-    config = config_for(deployment, export_path, host, devices)
+    configs = [(group, config_for(deployment, export_path, group)) for group in placement]
     with transaction.atomic():
         for index in range(deployment.replicas):
             Replica.objects.get_or_create(deployment=deployment, index=index)
-        services.do_record(deployment, "placed", {"host": host.name, "address": host.address, "devices": devices})
-    folder = DeploymentDir(deployment.folder)
-    send_to_host(host, "start_process", {
-        "key": supervisor_key(deployment), "module": "serving.supervisor", "args": ["--config", str(config.write())],
-        "log": str(folder.supervisor_log), "devices": devices, "device_kind": kind,
-    })  # fmt: skip
+        services.do_record(deployment, "placed", {"hosts": [
+            {"host": g.host.name, "address": g.host.address, "devices": g.devices,
+             "replicas": list(range(g.first_replica, g.first_replica + len(g.devices)))}
+            for g, _ in configs
+        ]})  # fmt: skip
+    for group, config in configs:
+        send_to_host(group.host, "start_process", {
+            "key": supervisor_key(deployment), "module": "serving.supervisor", "args": ["--config", str(config.write())],
+            "log": str(DeploymentDir(Path(config.state_dir)).supervisor_log), "devices": group.devices,
+            "device_kind": kind,
+        })  # fmt: skip
 
 
 def stop(deployment: Deployment, timeout: float = 120.0) -> None:
-    """Asks the supervisor to drain and stop its replicas, and waits for it to exit."""
-    host = placed_host(deployment)
-    if host is not None:
-        # Its pid is another machine's: the host worker signals it (a lost host runs nothing).
-        if host.status == Host.Status.LOST or read_state(deployment.folder) is None:
+    """Asks the supervisors to drain and stop their replicas, and waits for them to exit."""
+    hosts = placed_hosts(deployment)
+    if hosts:
+        # Their pids are other machines': each host worker signals its own (a lost host runs nothing).
+        if read_state(deployment.folder) is None:
             return
-        send_to_host(host, "stop_process", {"key": supervisor_key(deployment)})
+        for host in hosts:
+            if host.status != Host.Status.LOST:
+                send_to_host(host, "stop_process", {"key": supervisor_key(deployment)})
     elif not request_stop(deployment.folder):
         return
     deadline = time.monotonic() + timeout
@@ -124,9 +134,15 @@ def sync(deployment: Deployment) -> None:
     Rows change before the events that announce them are stored, in one transaction: events are
     published after it commits, so a page that reads the deployment on an event sees the state
     the event describes."""
-    offset_file = DeploymentDir(deployment.folder).events_offset_file
-    offset = int(offset_file.read_text()) if offset_file.exists() else 0
-    events, new_offset = read_events(deployment.folder, offset)
+    events: list[Any] = []
+    offsets: list[tuple[Path, int]] = []
+    for folder in supervisor_dirs(deployment.folder):
+        offset_file = folder.events_offset_file
+        offset = int(offset_file.read_text()) if offset_file.exists() else 0
+        new_events, new_offset = read_events(folder.path, offset)
+        events += new_events
+        if new_offset != offset:
+            offsets.append((offset_file, new_offset))
     state = read_state(deployment.folder)
     ready: list[Any] = []
     with transaction.atomic():
@@ -147,7 +163,7 @@ def sync(deployment: Deployment) -> None:
                     deployment, new_status, only_from=[s for s in serving if s != new_status],
                     data={"status": new_status, "ready": len(ready), "replicas": len(state.replicas)},
                 )  # fmt: skip
-    if new_offset != offset:
+    for offset_file, new_offset in offsets:
         offset_file.write_text(str(new_offset))
     if ready:
         services.do_record(deployment, "metrics", scrape(deployment.folder, [r.url for r in ready if r.url]))

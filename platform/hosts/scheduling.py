@@ -201,26 +201,46 @@ def schedule() -> list[int]:
     return placed
 
 
-def place_deployment(deployment_id: int, replicas: int, kind: str) -> tuple[Host, list[int]] | str:
-    """One ready host of `kind` ("gpu" or "cpu") with a free device for each replica, claimed for
-    the deployment in one transaction (host rows locked, as for runs); or why there is none.
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The replicas of a deployment that one host runs, under one supervisor: `devices[i]` serves
+    replica `first_replica + i`."""
 
-    A deployment's replicas share one supervisor, so they share one host; a deployment waits in
-    no queue: one that does not fit now fails, saying why."""
+    host: Host
+    devices: list[int]
+    first_replica: int
+
+
+def place_deployment(deployment_id: int, replicas: int, kind: str) -> list[ReplicaGroup] | str:
+    """A free device of `kind` ("gpu" or "cpu") for each replica, on ready hosts, claimed for the
+    deployment in one transaction (host rows locked, as for runs); or why there is none.
+
+    Replicas spread over hosts as a run's nodes do (a lost host then costs one replica, not
+    all); the replicas that share a host share its supervisor and are numbered consecutively. A
+    deployment waits in no queue: one that does not fit now fails, saying why."""
     with transaction.atomic():
         hosts = list(Host.objects.select_for_update().order_by("pk"))
         DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"]).delete()
         this = Pass(hosts)
-        gang = place(Need(nodes=1, per_node=replicas), {kind: this.ready.get(kind, [])}, this.free)
+        gang = place(Need(nodes=replicas, per_node=1), {kind: this.ready.get(kind, [])}, this.free)
         if gang is None:
-            most = max((len(this.free[h.pk]) for h in this.ready.get(kind, [])), default=0)
+            total = sum(len(this.free[h.pk]) for h in this.ready.get(kind, []))
             return (
-                f"no ready host has {devices_word(kind, replicas)} free for {replicas} replica"
-                f"{'s' if replicas != 1 else ''} (one host runs a deployment; the most free on one is {most})"
+                f"needs {devices_word(kind, replicas)} free on ready hosts, one per replica; "
+                f"{total} free now"
             )
-        host, devices = gang[0]
+        on_host: dict[int, list[int]] = defaultdict(list)
+        by_id = {}
+        for host, devices in gang:
+            on_host[host.pk] += devices
+            by_id[host.pk] = host
+        groups, first = [], 0
+        for host_id, devices in on_host.items():
+            groups.append(ReplicaGroup(by_id[host_id], devices, first))
+            first += len(devices)
         DeviceClaim.objects.bulk_create(
-            DeviceClaim(host=host, device=device, deployment_id=deployment_id, node=index)
-            for index, device in enumerate(devices)
+            DeviceClaim(host=g.host, device=device, deployment_id=deployment_id, node=g.first_replica + i)
+            for g in groups
+            for i, device in enumerate(g.devices)
         )
-    return host, devices
+    return groups

@@ -199,7 +199,7 @@ def test_a_host_killed_mid_run_is_marked_lost_and_the_run_goes_on_on_the_other(c
 
 @pytest.mark.vllm
 @pytest.mark.django_db(transaction=True)
-def test_a_deployment_on_a_namespace_host_answers_through_the_control_planes_v1_and_stops_there(cluster):
+def test_a_deployments_replicas_on_two_namespace_hosts_answer_through_the_control_planes_v1_and_stop_there(cluster):
     trained = submit(cluster, "servable", {"train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 6}}).json()
     wait_until(
         lambda: (c := cluster.api.get(f"/api/runs/{trained['id']}/checkpoints/").json()) and c[-1]["export_path"],
@@ -211,6 +211,7 @@ def test_a_deployment_on_a_namespace_host_answers_through_the_control_planes_v1_
     created = cluster.api.post("/api/deployments/", json=body)
     assert created.status_code == 201, created.text
     deployment_id = created.json()["id"]
+    addresses = {cluster.network.address(0), cluster.network.address(1)}
     try:
         wait_until(
             lambda: cluster.api.get(f"/api/deployments/{deployment_id}/").json()["status"] in ("ready", "failed"),
@@ -219,20 +220,31 @@ def test_a_deployment_on_a_namespace_host_answers_through_the_control_planes_v1_
         deployment = cluster.api.get(f"/api/deployments/{deployment_id}/").json()
         assert deployment["status"] == "ready", deployment
         events = cluster.api.get(f"/api/deployments/{deployment_id}/events/").json()
-        placed = next(e["data"] for e in events if e["kind"] == "placed")
-        # Both replicas listen on their host's own address, where the web process reaches them.
-        assert placed["address"] in (cluster.network.address(0), cluster.network.address(1))
-        assert {r["url"].split("//")[1].split(":")[0] for r in deployment["replica_set"]} == {placed["address"]}
+        placed = next(e["data"]["hosts"] for e in events if e["kind"] == "placed")
+        # One replica on each host (a lost host costs one replica, not both), each listening on its
+        # host's own address, where the web process reaches it.
+        assert sorted((p["host"], p["replicas"]) for p in placed) == [("h0", [0]), ("h1", [1])]
+        by_replica = {p["replicas"][0]: p["address"] for p in placed}
+        urls = {r["index"]: r["url"].split("//")[1].split(":")[0] for r in deployment["replica_set"]}
+        assert urls == by_replica and set(urls.values()) == addresses
         key = cluster.api.post(f"/api/deployments/{deployment_id}/keys/", json={"name": "t"}).json()["key"]
-        chat = httpx.post(
-            f"{cluster.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-            json={"model": "spread", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 5},
-        )  # fmt: skip
-        assert chat.status_code == 200, chat.text
-        assert chat.json()["choices"][0]["message"]["content"] is not None
-        host = next(h for h in cluster.api.get("/api/hosts/").json()["results"] if h["name"] == placed["host"])
-        assert sorted(c["node"] for c in host["claims"] if c["deployment"] == deployment_id) == [0, 1]
-        assert f"deployment-{deployment_id}" in {p["key"] for p in host["running"]}
+        # Enough chats that the router, taking the replica with the fewest in flight, uses both.
+        for _ in range(4):
+            chat = httpx.post(
+                f"{cluster.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                json={"model": "spread", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 5},
+            )  # fmt: skip
+            assert chat.status_code == 200, chat.text
+            assert chat.json()["choices"][0]["message"]["content"] is not None
+        # Each replica answered some: its log (on its host, read through the API) shows the requests.
+        for index in (0, 1):
+            log = cluster.api.get(f"/api/deployments/{deployment_id}/logs/", params={"replica": index, "lines": 400})
+            assert any("POST /v1/chat/completions" in line for line in log.json()["lines"]), index
+        for host in cluster.api.get("/api/hosts/").json()["results"]:
+            assert [c["node"] for c in host["claims"] if c["deployment"] == deployment_id] == (
+                [0] if host["name"] == "h0" else [1]
+            )
+            assert f"deployment-{deployment_id}" in {p["key"] for p in host["running"]}
     finally:
         cluster.api.post(f"/api/deployments/{deployment_id}/stop/")
         wait_until(
@@ -240,13 +252,13 @@ def test_a_deployment_on_a_namespace_host_answers_through_the_control_planes_v1_
         )
     replicas = cluster.api.get(f"/api/deployments/{deployment_id}/").json()["replica_set"]
     assert [r["status"] for r in replicas] == ["stopped", "stopped"]
-    # The supervisor stopped on its host, and the host's slots are free again.
+    # Each host stopped its supervisor, and both hosts' slots are free again.
     wait_until(
         lambda: all(
             not h["claims"] and f"deployment-{deployment_id}" not in {p["key"] for p in h["running"]}
             for h in cluster.api.get("/api/hosts/").json()["results"]
         ),
-        60, "the host to report the supervisor gone",
+        60, "both hosts to report their supervisor gone",
     )  # fmt: skip
 
 

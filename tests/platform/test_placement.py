@@ -231,25 +231,40 @@ def test_a_lost_host_is_a_lost_node_the_run_goes_on_without_or_resumes_from_when
     assert run.status_reason == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 1 free"
 
 
-def test_a_deployments_replicas_take_a_device_each_on_one_host_and_give_them_back(alice, alice_api, two_hosts):
+def test_a_deployments_replicas_spread_over_hosts_a_device_each_and_give_them_back(alice, alice_api, two_hosts):
     run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
     checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
     deployment = Deployment.objects.create(
-        owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=2
+        owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=3
     )
-    # Two replicas share one supervisor, so one host: two hosts of one slot cannot hold them.
-    assert place_deployment(deployment.pk, 2, "cpu") == (
-        "no ready host has 2 CPU slots free for 2 replicas (one host runs a deployment; the most free on one is 1)"
-    )
-    host, devices = place_deployment(deployment.pk, 1, "cpu")
-    assert (host.name, devices) == ("a", [0])
-    # A run of two nodes now waits for the slot the replica holds.
+    # Two hosts of one slot each: three replicas do not fit, and nothing is claimed.
+    assert place_deployment(deployment.pk, 3, "cpu") == "needs 3 CPU slots free on ready hosts, one per replica; 2 free now"
+    assert not DeviceClaim.objects.exists()
+    groups = place_deployment(deployment.pk, 2, "cpu")
+    assert [(g.host.name, g.devices, g.first_replica) for g in groups] == [("a", [0], 0), ("b", [0], 1)]
+    claims = DeviceClaim.objects.filter(deployment=deployment).values_list("host__name", "device", "node")
+    assert sorted(claims) == [("a", 0, 0), ("b", 0, 1)]
+    # A run of two nodes now waits for the slots the replicas hold.
     waiting = submit(alice_api, "waits", DP2_TWO_NODES).json()["id"]
     assert schedule_and_start() == []
-    assert Run.objects.get(pk=waiting).status_reason.endswith(", 1 free")
+    assert Run.objects.get(pk=waiting).status_reason.endswith(", 0 free")
     deployment_services.do_set_status(deployment, Deployment.Status.STOPPED, only_from=Deployment.Status.values)
     assert not DeviceClaim.objects.filter(deployment=deployment).exists()
     assert schedule_and_start() == [waiting]
+
+
+def test_replicas_beyond_one_per_host_share_a_host_under_consecutive_numbers(alice):
+    purge_host_queues()
+    add_host("big", 2, "10.9.0.21")
+    add_host("small", 1, "10.9.0.22")
+    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    deployment = Deployment.objects.create(owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=3)
+    groups = place_deployment(deployment.pk, 3, "cpu")
+    # One replica per host first (the fuller host first: best fit), then the host with room takes
+    # the third; each host's replicas are numbered in a row, for its one supervisor.
+    assert [(g.host.name, g.devices, g.first_replica) for g in groups] == [("small", [0], 0), ("big", [0, 1], 1)]
+    assert sorted(DeviceClaim.objects.filter(deployment=deployment).values_list("node", flat=True)) == [0, 1, 2]
 
 
 def test_reconcile_leaves_waiting_runs_to_the_scheduler_once_hosts_exist(alice_api, two_hosts):

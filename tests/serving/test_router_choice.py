@@ -17,7 +17,7 @@ from serving.router import (
     StaticReplicas,
     UpstreamResponse,
 )
-from serving.state import DeploymentDir, DeploymentState, Phase, ReplicaState, write_state
+from serving.state import DeploymentDir, DeploymentState, Phase, ReplicaState, read_state, write_state
 from serving.supervisor import free_port
 
 
@@ -165,6 +165,34 @@ def test_the_state_file_source_lists_only_ready_replicas_and_follows_changes(tmp
     write(["restarting", "ready", "ready", "unhealthy"])
     assert [e.url for e in source.endpoints()] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     write(["ready", "ready"], stopping=True)
+    assert source.endpoints() == []
+
+
+def test_a_deployment_on_several_hosts_is_read_as_one_from_its_supervisors_folders(tmp_path: Path) -> None:
+    """One supervisor per host, each writing its own folder under hosts/: the router routes to the
+    ready replicas of all of them, and follows each supervisor's changes."""
+    source = StateFileReplicas(tmp_path)
+
+    def write(host: str, first: int, phases: list[Phase], stopping: bool = False) -> None:
+        replicas = [
+            ReplicaState(index=first + i, url=f"http://10.0.0.{first + i}:8000", phase=p) for i, p in enumerate(phases)
+        ]
+        state = DeploymentState(deployment="tiny", supervisor_pid=1, updated_at=0.0, stopping=stopping, replicas=replicas)
+        folder = DeploymentDir(tmp_path).on_host(host)
+        folder.path.mkdir(parents=True, exist_ok=True)
+        write_state(folder, state)
+
+    write("b", 2, ["ready"])
+    write("a", 0, ["ready", "starting"])
+    assert [e.url for e in source.endpoints()] == ["http://10.0.0.0:8000", "http://10.0.0.2:8000"]
+    merged = read_state(tmp_path)
+    assert merged is not None and [r.index for r in merged.replicas] == [0, 1, 2]
+    write("a", 0, ["ready", "ready"])
+    assert len(source.endpoints()) == 3
+    # A supervisor that is stopping takes its replicas out of routing; the others' stay.
+    write("b", 2, ["ready"], stopping=True)
+    assert [e.url for e in source.endpoints()] == ["http://10.0.0.0:8000", "http://10.0.0.1:8000"]
+    write("a", 0, ["ready", "ready"], stopping=True)
     assert source.endpoints() == []
 
 
