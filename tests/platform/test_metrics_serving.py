@@ -13,7 +13,15 @@ import pytest
 from deployments.models import Deployment
 from runs.models import Checkpoint, Run
 from serving.tiny_checkpoint import build_tiny_llama
-from tests.platform.test_prometheus_metrics import api, scrape, scrape_until, value, wait_for, web  # noqa: F401 (web is a fixture)
+from tests.platform.test_prometheus_metrics import (  # noqa: F401 (web is a fixture)
+    Samples,
+    api,
+    scrape,
+    scrape_until,
+    value,
+    wait_for,
+    web,
+)
 from tests.serving.conftest import CHECKPOINT_CACHE
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -61,10 +69,23 @@ def test_v1_requests_ttft_tokens_and_replicas_per_deployment(alice, web, celery_
         kv_cache = ("fathom_deployment_kv_cache_usage_ratio", frozenset({("deployment", "metered")}))
         # A request is counted as its answer ends, and serving figures arrive with the next sync.
         requests = value(before, "fathom_v1_requests_total", **ok)
-        after = scrape_until(
-            web, lambda s: kv_cache in s and value(s, "fathom_v1_requests_total", **ok) == requests + 3,
-            30, "the three chats counted and the deployment's serving figures",
-        )  # fmt: skip
+        seen: list[Samples] = []
+
+        def counted(samples: Samples) -> bool:
+            seen[:] = [samples]
+            return kv_cache in samples and value(samples, "fathom_v1_requests_total", **ok) == requests + 3
+
+        try:
+            after = scrape_until(web, counted, 60, "the three chats counted and the deployment's serving figures")
+        except AssertionError as timed_out:
+            # Say which half was missing, and what the deployment went through meanwhile.
+            last = seen[0] if seen else {}
+            events = Deployment.objects.get(pk=deployment_id).events.order_by("-seq")[:8]
+            raise AssertionError(
+                f"{timed_out}: requests counted {value(last, 'fathom_v1_requests_total', **ok)} of {requests + 3}; "
+                f"serving figures {'present' if kv_cache in last else 'absent'}; last deployment events "
+                f"{[(e.kind, e.data) for e in events]}"
+            ) from None
         ttft_count = "fathom_v1_time_to_first_token_seconds_count"
         assert value(after, ttft_count, deployment="metered") == value(before, ttft_count, deployment="metered") + 2
         ttft = value(after, "fathom_v1_time_to_first_token_seconds_sum", deployment="metered") - value(
