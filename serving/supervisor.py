@@ -160,6 +160,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def replica_gpus(visible: str | None, local_index: int, per_replica: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the supervisor's `local_index`-th replica: its own `per_replica`
+    of the GPUs the supervisor was given (the devices its host worker claimed for this
+    deployment), in order. None keeps what the supervisor sees: it was given no list to split,
+    or too short a one."""
+    if not visible:
+        return None
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    mine = devices[local_index * per_replica : (local_index + 1) * per_replica]
+    return ",".join(mine) if len(mine) == per_replica else None
+
+
 def _kill_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -268,11 +280,17 @@ class Supervisor:
 
     async def _spawn(self, replica: ReplicaState) -> tuple[asyncio.subprocess.Process, LaunchSpec]:
         cfg = self.config
-        bind = cfg.cpu_binds[(replica.index - cfg.first_replica) % len(cfg.cpu_binds)] if cfg.cpu_binds else None
+        local = replica.index - cfg.first_replica
+        bind = cfg.cpu_binds[local % len(cfg.cpu_binds)] if cfg.cpu_binds else None
+        gpus = (
+            replica_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), local, cfg.options.tensor_parallel_size)
+            if cfg.options.device == "cuda"
+            else None
+        )
         launch = replica_launch(
             cfg.options, cfg.checkpoint,
             served_model_name=cfg.name, port=free_port(cfg.host), python=cfg.python,
-            state_dir=self._state_dir, host=cfg.host, cpu_threads_bind=bind,
+            state_dir=self._state_dir, host=cfg.host, cpu_threads_bind=bind, gpus=gpus,
         )  # fmt: skip
         Path(launch.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)  # may lie outside state_dir
         log_path = self._folder.replica_log(replica.index)

@@ -95,6 +95,9 @@ class ReplicaOptions:
     enforce_eager: bool = False
     # CPU only: which cores the engine's OpenMP threads use (`VLLM_CPU_OMP_THREADS_BIND`).
     cpu_threads_bind: str = "auto"
+    # CUDA only: GPUs of one host each replica spans (`--tensor-parallel-size`); a replica gets
+    # this many GPUs of its own, none shared with another replica.
+    tensor_parallel_size: int = 1
     seed: int = 0
     # The tool-call format the model writes (vLLM's `--tool-call-parser`: hermes, llama3_json,
     # mistral, …). With one, /v1 takes tools with tool_choice "auto" (`--enable-auto-tool-choice`),
@@ -157,6 +160,16 @@ class ReplicaOptions:
         )
         _require(_is_int(self.seed), "seed", f"must be an integer; got {self.seed!r}")
         _require(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size in (1, 2, 4, 8),
+            "tensor_parallel_size",
+            f"must be 1, 2, 4 or 8 GPUs of one host; got {self.tensor_parallel_size!r}",
+        )
+        _require(
+            self.tensor_parallel_size == 1 or self.device == "cuda",
+            "tensor_parallel_size",
+            f"splits a replica over GPUs: it needs device 'cuda', and on {self.device!r} must be 1",
+        )
+        _require(
             self.tool_call_parser is None
             or (isinstance(self.tool_call_parser, str) and bool(_PARSER_NAME.match(self.tool_call_parser))),
             "tool_call_parser",
@@ -189,6 +202,7 @@ class CheckpointInfo:
     hidden_size: int
     intermediate_size: int
     head_dim: int
+    attention_heads: int = 0  # 0: config.json does not say
     dtype: str
     quant: CheckpointQuant
     quant_method: str | None
@@ -221,6 +235,7 @@ class CheckpointInfo:
             hidden_size=hidden,
             intermediate_size=int(text.get("intermediate_size", 0)),
             head_dim=head_dim,
+            attention_heads=heads if "num_attention_heads" in text else 0,
             dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
             quant=_checkpoint_quant(quant_config),
             quant_method=(quant_config or {}).get("quant_method"),
@@ -288,6 +303,12 @@ def check_compatible(options: ReplicaOptions, checkpoint: CheckpointInfo, device
             "max_model_len",
             f"{options.max_model_len} exceeds the checkpoint's max_position_embeddings "
             f"({checkpoint.max_position_embeddings})",
+        )
+    if checkpoint.attention_heads:
+        _require(
+            checkpoint.attention_heads % options.tensor_parallel_size == 0,
+            "tensor_parallel_size",
+            f"{options.tensor_parallel_size} does not divide the checkpoint's {checkpoint.attention_heads} attention heads",
         )
     if device.kind == "cpu":
         _require(
@@ -391,10 +412,12 @@ def replica_launch(
     state_dir: str | Path,
     host: str = "127.0.0.1",
     cpu_threads_bind: str | None = None,
+    gpus: str | None = None,
 ) -> LaunchSpec:
     """The command and environment for one replica. `state_dir` holds vLLM's cache and temporary
     files so that a replica leaves nothing elsewhere; `cpu_threads_bind` overrides the options'
-    (the supervisor gives each replica its own cores)."""
+    and `gpus` (CUDA_VISIBLE_DEVICES) picks the replica's GPUs (the supervisor gives each
+    replica its own cores or GPUs)."""
     state = Path(state_dir)
     argv = [
         python, "-m", VLLM_SERVER_MODULE,
@@ -419,6 +442,8 @@ def replica_launch(
         argv += ["--quantization", "fp8"]
     if options.device == "cuda":
         argv += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
+    if options.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(options.tensor_parallel_size)]
     env = {
         "HF_HUB_OFFLINE": "1",  # weights come from disk only; a replica host may have no network
         "VLLM_NO_USAGE_STATS": "1",
@@ -429,4 +454,6 @@ def replica_launch(
     if options.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(options.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind or options.cpu_threads_bind
+    elif gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     return LaunchSpec(argv=argv, env=env, host=host, port=port)

@@ -49,7 +49,7 @@ def config_for(deployment: Deployment, export_path: Path, group: scheduling.Repl
         checkpoint=str(export_path),
         state_dir=str(folder.on_host(host.name).path if host is not None else folder.path),
         python=settings.VLLM_PYTHON,
-        replicas=len(slots),
+        replicas=len(group.replicas) if group is not None else deployment.replicas,
         first_replica=group.first_replica if group is not None else 0,
         options=options,
         # Replicas listen on their host's address, where the router reaches them.
@@ -87,8 +87,9 @@ def start(deployment: Deployment) -> int | None:
 
 
 def _start_on_hosts(deployment: Deployment, export_path: Path) -> None:
-    kind = "gpu" if stored_options(deployment.options).device == "cuda" else "cpu"
-    placement = scheduling.place_deployment(deployment.pk, deployment.replicas, kind)
+    options = stored_options(deployment.options)
+    kind = "gpu" if options.device == "cuda" else "cpu"
+    placement = scheduling.place_deployment(deployment.pk, deployment.replicas, kind, options.tensor_parallel_size)
     if isinstance(placement, str):
         raise RuntimeError(placement)
     configs = [(group, config_for(deployment, export_path, group)) for group in placement]
@@ -96,8 +97,7 @@ def _start_on_hosts(deployment: Deployment, export_path: Path) -> None:
         for index in range(deployment.replicas):
             Replica.objects.get_or_create(deployment=deployment, index=index)
         services.do_record(deployment, "placed", {"hosts": [
-            {"host": g.host.name, "address": g.host.address, "devices": g.devices,
-             "replicas": list(range(g.first_replica, g.first_replica + len(g.devices)))}
+            {"host": g.host.name, "address": g.host.address, "devices": g.devices, "replicas": g.replicas}
             for g, _ in configs
         ]})  # fmt: skip
     for group, config in configs:

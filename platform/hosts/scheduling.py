@@ -203,17 +203,23 @@ def schedule() -> list[int]:
 
 @dataclass(frozen=True)
 class ReplicaGroup:
-    """The replicas of a deployment that one host runs, under one supervisor: `devices[i]` serves
-    replica `first_replica + i`."""
+    """The replicas of a deployment that one host runs, under one supervisor: replica
+    `first_replica + i` serves on `devices[i * per_replica : (i + 1) * per_replica]`."""
 
     host: Host
     devices: list[int]
     first_replica: int
+    per_replica: int = 1
+
+    @property
+    def replicas(self) -> list[int]:
+        return list(range(self.first_replica, self.first_replica + len(self.devices) // self.per_replica))
 
 
-def place_deployment(deployment_id: int, replicas: int, kind: str) -> list[ReplicaGroup] | str:
-    """A free device of `kind` ("gpu" or "cpu") for each replica, on ready hosts, claimed for the
-    deployment in one transaction (host rows locked, as for runs); or why there is none.
+def place_deployment(deployment_id: int, replicas: int, kind: str, per_replica: int = 1) -> list[ReplicaGroup] | str:
+    """`per_replica` free devices of `kind` ("gpu" or "cpu") on one ready host for each replica,
+    claimed for the deployment in one transaction (host rows locked, as for runs); or why there
+    are none.
 
     Replicas spread over hosts as a run's nodes do (a lost host then costs one replica, not
     all); the replicas that share a host share its supervisor and are numbered consecutively. A
@@ -222,12 +228,17 @@ def place_deployment(deployment_id: int, replicas: int, kind: str) -> list[Repli
         hosts = list(Host.objects.select_for_update().order_by("pk"))
         DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"]).delete()
         this = Pass(hosts)
-        gang = place(Need(nodes=replicas, per_node=1), {kind: this.ready.get(kind, [])}, this.free)
+        need = Need(nodes=replicas, per_node=per_replica)
+        gang = place(need, {kind: this.ready.get(kind, [])}, this.free)
         if gang is None:
-            total = sum(len(this.free[h.pk]) for h in this.ready.get(kind, []))
+            ready = this.ready.get(kind, [])
+            if per_replica == 1:
+                free = sum(len(this.free[h.pk]) for h in ready)
+                return f"needs {devices_word(kind, replicas)} free on ready hosts, one per replica; {free} free now"
+            room = sum(len(this.free[h.pk]) // per_replica for h in ready)
             return (
-                f"needs {devices_word(kind, replicas)} free on ready hosts, one per replica; "
-                f"{total} free now"
+                f"needs {replicas} replicas × {devices_word(kind, per_replica)} free on one host each "
+                f"(tensor_parallel_size); the ready hosts have room for {room} now"
             )
         on_host: dict[int, list[int]] = defaultdict(list)
         by_id = {}
@@ -236,10 +247,10 @@ def place_deployment(deployment_id: int, replicas: int, kind: str) -> list[Repli
             by_id[host.pk] = host
         groups, first = [], 0
         for host_id, devices in on_host.items():
-            groups.append(ReplicaGroup(by_id[host_id], devices, first))
-            first += len(devices)
+            groups.append(ReplicaGroup(by_id[host_id], devices, first, per_replica))
+            first += len(devices) // per_replica
         DeviceClaim.objects.bulk_create(
-            DeviceClaim(host=g.host, device=device, deployment_id=deployment_id, node=g.first_replica + i)
+            DeviceClaim(host=g.host, device=device, deployment_id=deployment_id, node=g.first_replica + i // per_replica)
             for g in groups
             for i, device in enumerate(g.devices)
         )

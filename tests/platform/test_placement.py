@@ -267,6 +267,24 @@ def test_replicas_beyond_one_per_host_share_a_host_under_consecutive_numbers(ali
     assert sorted(DeviceClaim.objects.filter(deployment=deployment).values_list("node", flat=True)) == [0, 1, 2]
 
 
+def test_tensor_parallel_replicas_take_their_gpus_on_one_host_each(alice):
+    purge_host_queues()
+    add_host("g8", 8, "10.9.0.31", kind="gpu")
+    add_host("g2", 2, "10.9.0.32", kind="gpu")
+    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    deployment = Deployment.objects.create(owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=3)
+    # Four GPUs per replica: only g8 has room, for two.
+    assert place_deployment(deployment.pk, 3, "gpu", per_replica=4) == (
+        "needs 3 replicas × 4 GPUs free on one host each (tensor_parallel_size); the ready hosts have room for 2 now"
+    )
+    groups = place_deployment(deployment.pk, 3, "gpu", per_replica=2)
+    # Spread first (best fit puts replica 0 on the fuller g2), then g8 takes two replicas of two GPUs.
+    assert [(g.host.name, g.devices, g.replicas) for g in groups] == [("g2", [0, 1], [0]), ("g8", [0, 1, 2, 3], [1, 2])]
+    claims = DeviceClaim.objects.filter(deployment=deployment).values_list("host__name", "device", "node")
+    assert sorted(claims) == [("g2", 0, 0), ("g2", 1, 0), ("g8", 0, 1), ("g8", 1, 1), ("g8", 2, 2), ("g8", 3, 2)]
+
+
 def test_reconcile_leaves_waiting_runs_to_the_scheduler_once_hosts_exist(alice_api, two_hosts):
     first = submit(alice_api, "first", DP2_TWO_NODES).json()["id"]
     waiting = submit(alice_api, "waiting", DP2_TWO_NODES).json()["id"]

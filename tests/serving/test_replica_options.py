@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.supervisor import DeploymentConfig
+from serving.supervisor import DeploymentConfig, replica_gpus
 from serving.vllm import (
     CheckpointInfo,
     DeviceInfo,
@@ -83,6 +83,7 @@ W8A16 = {
         ("cpu_threads_bind", "first", "'auto', 'nobind' or core ids"),
         ("enable_prefix_caching", "yes", "true or false"),
         ("tool_call_parser", "Hermes; rm -rf", "vLLM's tool parsers"),
+        ("tensor_parallel_size", 3, "1, 2, 4 or 8 GPUs of one host"),
     ],
 )
 def test_it_rejects_each_bad_value_naming_the_field_and_what_is_allowed(
@@ -247,6 +248,29 @@ def test_the_cuda_launch_sets_the_memory_fraction_instead_of_a_cpu_cache(tmp_pat
     )
     assert launch.argv[launch.argv.index("--gpu-memory-utilization") + 1] == "0.8"
     assert "VLLM_CPU_KVCACHE_SPACE" not in launch.env
+
+
+def test_a_tensor_parallel_replica_needs_cuda_and_a_size_that_divides_the_heads(tmp_path: Path) -> None:
+    error = error_of(ReplicaOptions, tensor_parallel_size=2)
+    assert (error.field, "needs device 'cuda'" in error.message) == ("tensor_parallel_size", True)
+    three_heads = write_checkpoint(tmp_path / "ckpt", hidden=192, heads=3)
+    error = error_of(check_compatible, ReplicaOptions(device="cuda", tensor_parallel_size=2), three_heads, AMPERE)
+    assert error.field == "tensor_parallel_size" and "3 attention heads" in error.message
+    check_compatible(ReplicaOptions(device="cuda", tensor_parallel_size=2), write_checkpoint(tmp_path / "four"), AMPERE)
+
+
+def test_each_cuda_replica_is_launched_on_its_own_gpus(tmp_path: Path) -> None:
+    options = ReplicaOptions(device="cuda", tensor_parallel_size=2)
+    launch = replica_launch(options, "/ckpt", served_model_name="m", port=1, python="py", state_dir=tmp_path, gpus="4,5")
+    assert launch.argv[launch.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    # The supervisor splits the GPUs its host worker claimed for it, in order, between its replicas.
+    assert [replica_gpus("4,5,6,7", i, 2) for i in (0, 1)] == ["4,5", "6,7"]
+    assert replica_gpus("3", 0, 1) == "3"
+    # Given no list (a supervisor started without hosts), or one too short: what it sees stays.
+    assert replica_gpus(None, 0, 1) is None and replica_gpus("0", 1, 1) is None
+    single = replica_launch(ReplicaOptions(device="cuda"), "/ckpt", served_model_name="m", port=1, python="py", state_dir=tmp_path)
+    assert "--tensor-parallel-size" not in single.argv and "CUDA_VISIBLE_DEVICES" not in single.env
 
 
 def test_a_deployment_config_round_trips_through_json_and_checks_its_fields(tmp_path: Path) -> None:
