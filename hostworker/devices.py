@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from typing import Any
@@ -26,6 +27,25 @@ def gpus() -> list[dict[str, Any]]:
 
 def cpu_slots(count: int) -> list[dict[str, Any]]:
     return [{"index": i, "kind": "cpu", "model": "cpu", "memory_mb": 0} for i in range(count)]
+
+
+def usable_cores() -> list[int]:
+    """The cores this host worker may use (its affinity: a container's cpuset, a taskset)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def slot_cores(slots: list[int], slot_count: int, cores: list[int]) -> list[list[int]]:
+    """The cores each of `slots` (CPU slot indexes of a host that offers `slot_count`) runs on:
+    an equal share of the host's `cores` per slot, so that what runs on one slot never takes
+    another's cores; slots cycle over the cores when there are more slots than cores."""
+    share = max(1, len(cores) // max(slot_count, 1))
+    return [[cores[(slot * share + i) % len(cores)] for i in range(share)] for slot in slots]
+
+
+def cores_text(per_slot: list[list[int]]) -> str:
+    """FATHOM_CPU_CORES: the cores of each claimed slot, in claim order ("0,1;2,3"), which a node
+    agent gives its local ranks and a replica supervisor its replicas, one slot each."""
+    return ";".join(",".join(map(str, cores)) for cores in per_slot)
 
 
 def detect(cpu_slot_count: int) -> list[dict[str, Any]]:

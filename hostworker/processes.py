@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hostworker.config import REPO_DIR, HostConfig
+from hostworker.devices import cores_text, slot_cores, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,14 @@ class Processes:
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
             env["FATHOM_CPU_SLOTS"] = ",".join(str(d) for d in devices)
+            if devices:
+                env["FATHOM_CPU_CORES"] = cores_text(self.slot_cores(devices))
         if not self.config.address.startswith("127.") and (interface := interface_of(self.config.address)):
             env["GLOO_SOCKET_IFNAME"] = interface
         return env
+
+    def slot_cores(self, slots: list[int]) -> list[list[int]]:
+        return slot_cores(slots, self.config.cpu_slots, usable_cores())
 
     def start(
         self, key: str, module: str, args: list[str], log_path: str, lock: str = "",
@@ -117,6 +123,11 @@ class Processes:
                     command, cwd=REPO_DIR, env=self.environment(devices or [], device_kind),
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 )  # fmt: skip
+            if device_kind == "cpu" and devices:
+                # Its CPU slots are its cores: pinned right after exec, long before the interpreter
+                # starts threads or children (they inherit it), so two runs never share a core.
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(process.pid, {c for cores in self.slot_cores(devices) for c in cores})
             self._children[process.pid] = process
             known[key] = {"pid": process.pid, "launch": launch}
             self._write(known)

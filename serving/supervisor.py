@@ -86,7 +86,8 @@ class DeploymentConfig:
     options: ReplicaOptions = field(default_factory=ReplicaOptions)
     host: str = "127.0.0.1"
     # CPU core lists handed out round-robin (replica i gets cpu_binds[i % len]); empty keeps
-    # options.cpu_threads_bind for all. vLLM's "auto" pins every replica to the same first core.
+    # options.cpu_threads_bind for all, or, started by a host worker, the cores of the slots it
+    # claimed. vLLM's "auto" pins every replica to the same first core.
     cpu_binds: tuple[str, ...] = ()
     # A replica not answering /health by then is killed and restarted. Eager CPU start is ~30 s,
     # a first compiled start ~130 s; GPU starts of large models take minutes.
@@ -195,6 +196,14 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._client: httpx.AsyncClient | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        # On a CPU host the host worker names the cores of each slot it claimed for this
+        # supervisor (FATHOM_CPU_CORES, "0,1;2,3"): replica i's engine threads run on slot i's.
+        slots = os.environ.get("FATHOM_CPU_CORES", "")
+        self._host_slot_binds = (
+            tuple(part for part in slots.split(";") if part)
+            if config.options.device == "cpu" and config.options.cpu_threads_bind == "auto"
+            else ()
+        )
 
     @property
     def replicas(self) -> list[ReplicaState]:
@@ -281,7 +290,8 @@ class Supervisor:
     async def _spawn(self, replica: ReplicaState) -> tuple[asyncio.subprocess.Process, LaunchSpec]:
         cfg = self.config
         local = replica.index - cfg.first_replica
-        bind = cfg.cpu_binds[local % len(cfg.cpu_binds)] if cfg.cpu_binds else None
+        binds = cfg.cpu_binds or self._host_slot_binds
+        bind = binds[local % len(binds)] if binds else None
         gpus = (
             replica_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), local, cfg.options.tensor_parallel_size)
             if cfg.options.device == "cuda"

@@ -37,13 +37,11 @@ SCRAPE_TIMEOUT_SECONDS = 1.5
 
 def config_for(deployment: Deployment, export_path: Path, group: scheduling.ReplicaGroup | None = None) -> DeploymentConfig:
     """The supervisor's config: on this machine (all replicas), or for the replicas `group` puts
-    on one host (its address, its CPU slots), with the options the deployment stored resolved at
-    create."""
+    on one host (at its address), with the options the deployment stored resolved at create."""
     options = stored_options(deployment.options)
     folder = DeploymentDir(deployment.folder)
     host = group.host if group is not None else None
-    cores = (host.cores if host is not None else 0) or os.cpu_count() or 1
-    slots = group.devices if group is not None else list(range(deployment.replicas))
+    cores = os.cpu_count() or 1
     return DeploymentConfig(
         name=deployment.served_model_name,
         checkpoint=str(export_path),
@@ -54,9 +52,10 @@ def config_for(deployment: Deployment, export_path: Path, group: scheduling.Repl
         options=options,
         # Replicas listen on their host's address, where the router reaches them.
         host=host.address if host is not None else "127.0.0.1",
-        # On CPU, vLLM's "auto" binding pins every replica to the same first core; spread them.
-        cpu_binds=tuple(str(slot % cores) for slot in slots)
-        if options.device == "cpu" and options.cpu_threads_bind == "auto"
+        # On CPU, vLLM's "auto" binding pins every replica to the same first core; spread them
+        # (on a host, its worker knows its cores and names each slot's to the supervisor).
+        cpu_binds=tuple(str(slot % cores) for slot in range(deployment.replicas))
+        if group is None and options.device == "cpu" and options.cpu_threads_bind == "auto"
         else (),
     )
 

@@ -5,12 +5,37 @@ network namespaces of their own."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from hosts.models import Host
+from hostworker.devices import slot_cores
 from runs.models import Run
 from tests.platform.conftest import HostWorker
 from tests.platform.test_run_lifecycle import api, wait_until
+from training.heartbeat import read_beat
+from training.run_dir import RunDir
+
+
+def allowed_cores(pid: int) -> list[int]:
+    """The cores process `pid` may run on, as the kernel reports them."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            cores: list[int] = []
+            for part in line.split(":")[1].strip().split(","):
+                first, _, last = part.partition("-")
+                cores += range(int(first), int(last or first) + 1)
+            return cores
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
+def test_cpu_slots_share_a_hosts_cores_equally_and_cycle_when_there_are_more_slots() -> None:
+    assert slot_cores([0, 1], 2, [0, 1]) == [[0], [1]]
+    assert slot_cores([1, 3], 4, [0, 1, 2, 3, 4, 5, 6, 7]) == [[2, 3], [6, 7]]
+    assert slot_cores([1], 2, [4, 5, 6, 7]) == [[6, 7]]  # the worker's own cores, whatever their ids
+    assert slot_cores([2, 3], 4, [0, 1]) == [[0], [1]]
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +90,11 @@ def test_a_run_placed_on_a_host_worker_trains_there_is_cancelled_there_and_frees
         long = {"train": {"steps": 400, "warmup_steps": 2, "checkpoint_interval": 50}}
         long_id = client.post("/api/runs/", json={"name": "long", "spec": long}).json()["id"]
         wait_until(lambda: Run.objects.get(pk=long_id).step >= 1, 240, "the long run to train")
+        # Its one rank holds slot 0, and runs on slot 0's core only (this host: 2 slots, one core
+        # each on a 2-core machine; unpinned, it could use both).
+        beat = read_beat(RunDir(Run.objects.get(pk=long_id).folder).node(0).heartbeat_file(0))
+        assert beat is not None
+        assert allowed_cores(beat.pid) == slot_cores([0], 2, sorted(os.sched_getaffinity(0)))[0]
         assert client.post(f"/api/runs/{long_id}/cancel/").status_code == 200
         wait_until(lambda: Run.objects.get(pk=long_id).status == "cancelled", 120, "the cancel")
         # The host takes the stop task; the agent may have exited already on the cancel marker it

@@ -57,6 +57,7 @@ from training.agent.rank_processes import (
     RankSlot,
     Standby,
     activate_standby,
+    slot_cores_from_environ,
     spawn_rank,
     spawn_standby,
     stop_ranks,
@@ -158,6 +159,8 @@ class NodeAgent(SimpleElasticAgent):
         self._restarts_in_a_row = 0
         self._standbys: list[Standby] = []
         self._standbys_due = False  # replenish once the current ranks have finished a step
+        # On a CPU host each local rank runs on its own slot's cores.
+        self._slot_cores = slot_cores_from_environ()
 
     # --- SimpleElasticAgent's abstract methods ------------------------------------------
 
@@ -210,6 +213,7 @@ class NodeAgent(SimpleElasticAgent):
                 log=self.config.folder.rank_log(worker.global_rank),
                 heartbeat_file=rank_env.heartbeat_file,
                 error_file=self.config.node_dir.error_file(worker.global_rank),
+                cores=self._slot_cores[worker.local_rank] if worker.local_rank < len(self._slot_cores) else None,
             )
             rank = activate_standby(self._standbys.pop(0), argv, slot) if self._standbys else None
             if rank is None:

@@ -19,6 +19,7 @@ stack a hung rank dumps before it is killed stays next to what the restarted ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -49,6 +50,28 @@ class RankSlot:
     log: Path  # stdout and stderr, appended
     heartbeat_file: Path
     error_file: Path  # where the rank reports an error no restart can cure (training.rank_environment.RankError)
+    cores: frozenset[int] | None = None  # the cores of its CPU slot on a host; None: the agent's own
+
+
+def slot_cores_from_environ(environ: dict[str, str] | None = None) -> list[frozenset[int]]:
+    """The cores of each CPU slot the host worker gave this agent (FATHOM_CPU_CORES, "0,1;2,3"),
+    one slot per local rank; empty where it gave none (a GPU host, or no host worker)."""
+    text = (environ if environ is not None else os.environ).get("FATHOM_CPU_CORES", "")
+    return [frozenset(int(c) for c in part.split(",")) for part in text.split(";") if part]
+
+
+def pin(pid: int, cores: frozenset[int] | None) -> None:
+    """Runs every thread of `pid` on `cores` (threads started later inherit it). A standby has
+    threads already (torch is imported), so each of them is pinned, not only the process."""
+    if not cores:
+        return
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return
+    for thread in threads:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(thread, cores)
 
 
 @dataclass(kw_only=True)
@@ -139,6 +162,7 @@ def activate_standby(standby: Standby, argv: list[str], slot: RankSlot) -> RankP
         return None
     _forget_previous_attempt(slot)
     _start_log(slot.log, slot.global_rank, "warm standby")
+    pin(standby.popen.pid, slot.cores)
     order = {"env": slot.env, "argv": argv, "log": str(slot.log)}
     try:
         standby.popen.stdin.write(json.dumps(order).encode() + b"\n")
@@ -162,6 +186,7 @@ def spawn_rank(command: list[str], slot: RankSlot) -> RankProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    pin(popen.pid, slot.cores)
     return _rank_process(slot, popen)
 
 
