@@ -88,7 +88,10 @@ class Processes:
             env["CUDA_VISIBLE_DEVICES"] = ""
             env["FATHOM_CPU_SLOTS"] = ",".join(str(d) for d in devices)
             if devices:
-                env["FATHOM_CPU_CORES"] = cores_text(self.slot_cores(devices))
+                per_slot = self.slot_cores(devices)
+                env["FATHOM_CPU_CORES"] = cores_text(per_slot)
+                # A rank or replica computes on its slot's cores, unless the operator chose a count.
+                env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(len(per_slot[0])))
         if not self.config.address.startswith("127.") and (interface := interface_of(self.config.address)):
             env["GLOO_SOCKET_IFNAME"] = interface
         return env
