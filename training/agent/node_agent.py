@@ -98,8 +98,8 @@ class AgentConfig:
     warm_standby: bool = True
     # How often ranks are checked: bounds how late a hang is noticed past its timeout. Exits wake
     # the agent at once (pidfd); where pidfds are missing this bounds exit detection too.
-    monitor_interval: float = 0.05
-    heartbeat_interval: float = 0.1  # how often ranks beat; 100× finer than the default timeout
+    monitor_interval: float = 0.25
+    heartbeat_interval: float = 0.25  # how often ranks beat; 40× finer than the default timeout
     # Looking for nodes waiting to join costs a store round trip; once a second is plenty.
     membership_check_interval: float = 1.0
     # A failure that made no progress (crash loop) waits 1, 2, 4 … 30 s before the next try;

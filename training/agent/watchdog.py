@@ -1,7 +1,8 @@
 """Decides, from exit codes and heartbeats, whether a node's ranks are running, done or failed.
 
-The agent calls `Watchdog.check` every `monitor_interval` (50 ms): an exit is noticed within one
-interval; a hang within `heartbeat_timeout` plus one interval. The watchdog only judges; the agent
+The agent calls `Watchdog.check` every `monitor_interval` (250 ms) and as soon as a rank exits (its
+pidfd wakes the agent): an exit is noticed at once; a hang within `heartbeat_timeout` plus one
+interval. The watchdog only judges; the agent
 acts (dumps stacks, kills the group, restarts).
 """
 
