@@ -10,7 +10,6 @@ final checkpoint to a vLLM replica and prints how to chat with it.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "platform"))
 
+from controlplane.env import env_secret  # noqa: E402
 from controlplane.web import web_command  # noqa: E402
 
 PORT = int(os.environ.get("FATHOM_PORT", "8000"))
@@ -55,17 +55,6 @@ def wait_for_web(process: subprocess.Popen) -> None:
     sys.exit("the web process did not answer within a minute")
 
 
-def join_token(data_dir: Path) -> str:
-    """FATHOM_JOIN_TOKEN, or one made once and kept (0600) in the data folder, like the secret key."""
-    if token := os.environ.get("FATHOM_JOIN_TOKEN"):
-        return token
-    path = data_dir / "join_token"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(32))
-        path.chmod(0o600)
-    return path.read_text().strip()
-
-
 def wait_for_host(process: subprocess.Popen, log: Path, name: str) -> None:
     """Runs launched before the local host joined would start beside it, not on it."""
     for _ in range(300):
@@ -80,7 +69,9 @@ def wait_for_host(process: subprocess.Popen, log: Path, name: str) -> None:
 def main() -> None:
     data_dir = Path(os.environ.get("FATHOM_DATA_DIR", REPO / "var"))
     data_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, FATHOM_PUBLIC_URL=URL, PYTHONUNBUFFERED="1", FATHOM_JOIN_TOKEN=join_token(data_dir))
+    # The cluster's join token: the one set, or one made once and kept in the data folder.
+    join_token = env_secret("FATHOM_JOIN_TOKEN", data_dir / "join_token")
+    env = dict(os.environ, FATHOM_PUBLIC_URL=URL, PYTHONUNBUFFERED="1", FATHOM_JOIN_TOKEN=join_token)
     # This machine's host worker offers CPU slots (at least 8, so the demo and small multi-node
     # runs fit on one machine as they always did; FATHOM_HOST_CPU_SLOTS sets another count).
     host_name = os.environ.get("FATHOM_HOST_NAME", "local")

@@ -1,4 +1,5 @@
-"""Typed readers for environment variables. Settings is the only module that calls them.
+"""Typed readers for environment variables. Settings is the only module that calls them (and
+`tools/run_embedded`, which starts Fathom before any settings exist, for its kept secrets).
 
 Each reader fails loudly, naming the variable, when a value is set but malformed: a typo in
 production configuration must stop the process, not silently fall back to a default.
@@ -7,6 +8,8 @@ production configuration must stop the process, not silently fall back to a defa
 from __future__ import annotations
 
 import os
+import secrets
+from pathlib import Path
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -57,3 +60,14 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None:
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_secret(name: str, kept_in: Path, nbytes: int = 32) -> str:
+    """The variable's value, or a random secret made once and kept (mode 0600) in `kept_in`, so
+    an install without one set keeps the same secret across restarts."""
+    if value := os.environ.get(name):
+        return value
+    if not kept_in.exists():
+        kept_in.write_text(secrets.token_urlsafe(nbytes))
+        kept_in.chmod(0o600)
+    return kept_in.read_text().strip()

@@ -8,13 +8,12 @@ moves it onto PostgreSQL and Redis (docker-compose.yml does).
 
 from __future__ import annotations
 
-import secrets
 import sys
 from pathlib import Path
 
 import dj_database_url
 
-from controlplane.env import ConfigurationError, env_bool, env_float, env_int, env_list, env_str
+from controlplane.env import ConfigurationError, env_bool, env_float, env_int, env_list, env_secret, env_str
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FRONTEND_DIR = REPO_DIR / "frontend"
@@ -30,18 +29,8 @@ for _folder in (DATA_DIR, DATASETS_DIR, RUNS_DIR, DEPLOYMENTS_DIR, LOGS_DIR, DAT
     _folder.mkdir(parents=True, exist_ok=True)
 
 
-def _secret_key() -> str:
-    """SECRET_KEY, or one generated once and kept in the data dir so sessions survive restarts."""
-    if key := env_str("SECRET_KEY"):
-        return key
-    path = DATA_DIR / "secret_key"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
-    return path.read_text().strip()
-
-
-SECRET_KEY = _secret_key()
+# Generated once and kept in the data dir when unset, so sessions survive restarts.
+SECRET_KEY = env_secret("SECRET_KEY", DATA_DIR / "secret_key", nbytes=50)
 DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
