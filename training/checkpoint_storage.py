@@ -79,3 +79,9 @@ class StoredCheckpoints:
         """Writes the marker; every other object of the checkpoint must already be written."""
         self.fs.pipe_file(self.path_of(step, COMMITTED_MARKER), f"{step}\n".encode())
         self.fs.invalidate_cache(self.storage.root)
+
+
+def is_committed_at(checkpoint_url: str) -> bool:
+    """Whether the checkpoint at `checkpoint_url` (a step's prefix, as a run reports it) still counts."""
+    stored = Storage.open(checkpoint_url)
+    return bool(stored.fs.exists(stored.path(COMMITTED_MARKER)))
