@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
+from fsspec.spec import AbstractFileSystem
+
 from training.run_dir import COMMITTED_MARKER, checkpoint_name, step_of
 from training.storage import Storage, join
 
@@ -27,7 +29,7 @@ class StoredCheckpoints:
         self.storage = Storage.open(url)
 
     @property
-    def fs(self):  # type: ignore[no-untyped-def]  # fsspec's AbstractFileSystem is untyped
+    def fs(self) -> AbstractFileSystem:
         return self.storage.fs
 
     def url_of(self, step: int, *parts: str) -> str:
@@ -42,12 +44,12 @@ class StoredCheckpoints:
             names = self.fs.ls(self.storage.root, detail=False, refresh=True)
         except FileNotFoundError:
             return []
-        return sorted(s for name in names if (s := step_of(PurePosixPath(name))) is not None)  # type: ignore[arg-type]
+        return sorted(s for name in names if (s := step_of(PurePosixPath(name))) is not None)
 
     def committed_steps(self) -> list[int]:
         """Steps whose marker exists, oldest first: the only checkpoints that count."""
         markers = self.fs.glob(self.storage.path("step_*", COMMITTED_MARKER), refresh=True)
-        found = (step_of(PurePosixPath(m).parent) for m in markers)  # type: ignore[arg-type]
+        found = (step_of(PurePosixPath(m).parent) for m in markers)
         return sorted(s for s in found if s is not None)
 
     def latest_step(self) -> int | None:

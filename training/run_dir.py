@@ -43,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 # Where in-memory snapshots live: a tmpfs (shared memory) that outlives a rank's process.
 SNAPSHOT_ROOT = "FATHOM_SNAPSHOT_ROOT"
@@ -81,7 +81,7 @@ def storage_checkpoints_url(storage: str, run_folder_name: str) -> str:
     return "/".join([storage.rstrip("/"), "runs", run_folder_name, "checkpoints"])
 
 
-def step_of(path: Path) -> int | None:
+def step_of(path: PurePath) -> int | None:
     """The step a checkpoint's (or an export's) folder name says, or None for any other name."""
     name = path.name
     if not name.startswith(_STEP_PREFIX) or not name[len(_STEP_PREFIX) :].isdigit():
