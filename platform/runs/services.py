@@ -33,9 +33,9 @@ from hosts import capacity
 from hosts.models import Host
 from runs import launcher
 from runs.models import Checkpoint, Dataset, Run, RunEvent
-from training import storage
 from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
+from training.storage import StorageError, check_storage, local_root
 
 CONTROL_SOURCE = "control"
 
@@ -122,7 +122,7 @@ def check_run_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | 
 def run_storage() -> str:
     """What a run's `data.storage` holds: empty while storage is the data dir itself, whose run
     folders already hold their checkpoints; else FATHOM_STORAGE_URL."""
-    root = storage.local_root(settings.STORAGE_URL)
+    root = local_root(settings.STORAGE_URL)
     if root is not None and root.resolve() == settings.DATA_DIR:
         return ""
     return str(settings.STORAGE_URL)
@@ -136,8 +136,8 @@ def check_run_storage() -> None:
     if not url:
         return
     try:
-        storage.check_storage(url)
-    except storage.StorageError as exc:
+        check_storage(url)
+    except StorageError as exc:
         raise InvalidInput("storage", f"{exc}; an administrator must fix FATHOM_STORAGE_URL or its credentials") from None
 
 
@@ -563,7 +563,7 @@ def _mark_pruned(run: Run) -> list[RunEvent]:
     checkpoint event arrives (and when the run ends) catches every pruning."""
     pruned: list[RunEvent] = []
     for checkpoint in Checkpoint.objects.filter(run=run, pruned_at__isnull=True):
-        on_object_storage = storage.local_root(checkpoint.path) is None
+        on_object_storage = local_root(checkpoint.path) is None
         if is_committed_at(checkpoint.path) if on_object_storage else Path(checkpoint.path).exists():
             continue
         if Checkpoint.objects.filter(pk=checkpoint.pk, pruned_at__isnull=True).update(pruned_at=timezone.now()):
