@@ -6,10 +6,13 @@ on S3, so these runs share no checkpoint folder with anyone.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
 from tests.faults.harness import Agents, training_spec
 from tools.check_parity import launch, step_values
@@ -70,6 +73,15 @@ def test_a_checkpoint_on_s3_resumes_on_another_layout(tmp_path: Path, s3: S3Serv
     # Another layout reduces in another order: equal to float rounding, as from local disk.
     assert max(abs(losses[s] - four[s]) for s in losses) <= 1e-4
     assert target.committed_steps() == [3, 6]
+
+    # The control plane's export reads the checkpoint where it is (`python -m training.export URL OUT`);
+    # the weights equal those exported from a local copy of the same objects.
+    subprocess.run([sys.executable, "-m", "training.export", target.url_of(6), str(tmp_path / "from-s3")], check=True)
+    target.fs.get(target.path_of(6), str(tmp_path / "copy"), recursive=True)
+    subprocess.run([sys.executable, "-m", "training.export", str(tmp_path / "copy"), str(tmp_path / "from-disk")], check=True)
+    from_s3, from_disk = (load_file(tmp_path / name / "model.safetensors") for name in ("from-s3", "from-disk"))
+    assert from_s3.keys() == from_disk.keys() and all(from_s3[k].equal(from_disk[k]) for k in from_s3)
+    assert (tmp_path / "from-s3" / "tokenizer.json").read_bytes() == (tmp_path / "from-disk" / "tokenizer.json").read_bytes()
 
 
 def test_a_writer_killed_before_its_checkpoint_is_marked_leaves_the_previous_one_the_latest(
