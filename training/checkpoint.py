@@ -260,6 +260,7 @@ class Checkpointer:
     def _writer(self, staging: Path | str) -> dict[str, Any]:
         if isinstance(staging, Path):
             return {"checkpoint_id": staging}
+        # torch exposes FsspecWriter/Reader only from a private module (torchtitan imports them so too).
         # sync_files: an object is durable once its PUT returns; fsync does not apply to it.
         return {"storage_writer": FsspecWriter(staging, sync_files=False)}
 
