@@ -9,6 +9,10 @@ A save writes everything into the `.tmp` sibling, fsyncs it, renames it to its f
 within one file system) and then writes and fsyncs the COMMITTED marker and the parent directory.
 A crash at any point leaves the previous committed checkpoint as the newest one.
 
+When the run's `data.storage` names object storage (`s3://…`), the same files go there through
+fsspec (DCP's FsspecWriter/FsspecReader): written in place under their final prefix, the marker
+last, as `training.checkpoint_storage` describes; async saves stay async.
+
 Model and optimizer go through DCP's `get_state_dict`-family calls, which name every tensor by
 its fully qualified parameter name whatever the sharding (FSDP, TP, pipeline stage), with the
 optimizer state flattened to `state.<fqn>.<key>`. Loading under another layout therefore reads
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import random
@@ -34,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -44,10 +50,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from training.checkpoint_storage import StoredCheckpoints
 from training.config import RunSpec
-from training.data import copy_tokenizer
+from training.data import TOKENIZER_FILES, copy_tokenizer
 from training.hooks import TrainHook
-from training.run_dir import CheckpointDir, RunDir
+from training.run_dir import (
+    CHECKPOINT_METADATA,
+    CHECKPOINT_SPEC,
+    CHECKPOINT_TOKENIZER,
+    CheckpointDir,
+    RunDir,
+    rng_name,
+    step_of,
+    storage_checkpoints_url,
+)
+from training.storage import local_root
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -140,9 +157,19 @@ class Checkpointer:
         hooks: list[TrainHook],
         # Rank 0, right after each commit: on the caller's thread, or a background save's own
         # thread, so the report cannot be lost to a failure between the commit and the next poll.
-        on_commit: Callable[[int, Path], None] | None = None,
+        on_commit: Callable[[int, str], None] | None = None,
+        # The run's `data.storage`: empty, the run folder; a file:// URL, a folder of the same
+        # layout; object storage, `StoredCheckpoints` there.
+        storage: str = "",
     ) -> None:
-        self.run_dir = RunDir(run_dir)
+        root = local_root(storage) if storage else None
+        self.stored = (
+            StoredCheckpoints(storage_checkpoints_url(storage, Path(run_dir).name))
+            if storage and root is None
+            else None
+        )
+        # Where local checkpoints go: the run folder's, or the same names under a file:// storage root.
+        self.run_dir = RunDir(root / "runs" / Path(run_dir).name) if root is not None else RunDir(run_dir)
         self.parts = parts
         self.optimizers = optimizers
         self.spec = spec
@@ -194,39 +221,72 @@ class Checkpointer:
         """Writes the checkpoint of `step`; with async_checkpoint the write finishes in the background
         (call `wait_for_staging` before the next optimizer step, and `poll` once per step)."""
         self.wait()  # at most one save in flight: a second would race the first's commit
-        staging = self.run_dir.checkpoint_staging(step)
+        staging = self._staging(step)
         if self._stager is not None:
             # No barrier: resume() removed every uncommitted folder before any rank trained, so
             # nobody else is deleting this one.
             self._save_in_background(step, staging, trainer_state)
             return
-        if self.rank == 0 and staging.exists():
-            shutil.rmtree(staging)
+        if self.rank == 0:
+            self._clear(step, staging)
         self._barrier()  # nobody writes into the folder while rank 0 may still be deleting it
-        self._write_rng(staging)
+        self._write_rng(step, staging)
         with _single_process_quiet():
-            dcp.save(self._state_dict(), checkpoint_id=staging, no_dist=not self.distributed)
+            dcp.save(self._state_dict(), no_dist=not self.distributed, **self._writer(staging))
         for hook in self.hooks:
             hook.before_checkpoint_commit(step, staging)
-        self._barrier()  # every rank's shards and RNG file are on disk
+        self._barrier()  # every rank's shards and RNG file are written
         if self.rank == 0:
             self._commit(step, staging, trainer_state)
             if self.on_commit is not None:
-                self.on_commit(step, self.run_dir.checkpoint(step))
+                self.on_commit(step, self.location(step))
         # No rank steps past a checkpoint before it is committed: a rank that fails right after
         # it then resumes from it, instead of from the one before.
         self._barrier()
 
-    def _write_rng(self, staging: Path) -> None:
+    def location(self, step: int) -> str:
+        """Where the committed checkpoint of `step` is: a folder, or a URL on object storage."""
+        if self.stored is not None:
+            return self.stored.url_of(step)
+        return str(self.run_dir.checkpoint(step))
+
+    def _staging(self, step: int) -> Path | str:
+        """Where the checkpoint of `step` is written: the `.tmp` folder, or (object storage, which
+        cannot rename) its final prefix, which counts only once its marker is written."""
+        if self.stored is not None:
+            return self.stored.url_of(step)
+        return self.run_dir.checkpoint_staging(step)
+
+    def _writer(self, staging: Path | str) -> dict[str, Any]:
+        if isinstance(staging, Path):
+            return {"checkpoint_id": staging}
+        # torch exposes FsspecWriter/Reader only from a private module (torchtitan imports them so too).
+        # sync_files: an object is durable once its PUT returns; fsync does not apply to it.
+        return {"storage_writer": FsspecWriter(staging, sync_files=False)}
+
+    def _clear(self, step: int, staging: Path | str) -> None:
+        """Rank 0, before a synchronous save: removes what a crashed attempt left under the same name."""
+        if self.stored is not None:
+            self.stored.remove(step)
+        elif isinstance(staging, Path) and staging.exists():
+            shutil.rmtree(staging)
+
+    def _write_rng(self, step: int, staging: Path | str) -> None:
+        if self.stored is not None:
+            buffer = io.BytesIO()
+            torch.save(rng_state(), buffer)
+            self.stored.fs.pipe_file(self.stored.path_of(step, rng_name(self.rank)), buffer.getvalue())
+            return
+        assert isinstance(staging, Path)
         rng_file = CheckpointDir(staging).rng_file(self.rank)
         rng_file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), rng_file)
 
-    def _save_in_background(self, step: int, staging: Path, trainer_state: dict[str, Any]) -> None:
+    def _save_in_background(self, step: int, staging: Path | str, trainer_state: dict[str, Any]) -> None:
         assert self._stager is not None and self._finisher is not None
-        self._write_rng(staging)  # now: the RNG moves on with the next step
+        self._write_rng(step, staging)  # now: the RNG moves on with the next step
         response = dcp.async_save(
-            self._state_dict(), checkpoint_id=staging, process_group=self.async_group, async_stager=self._stager
+            self._state_dict(), process_group=self.async_group, async_stager=self._stager, **self._writer(staging)
         )
         assert isinstance(response, AsyncSaveResponse)
 
@@ -243,7 +303,7 @@ class Checkpointer:
             if self.rank == 0:
                 self._commit(step, staging, trainer_state)
                 if self.on_commit is not None:
-                    self.on_commit(step, self.run_dir.checkpoint(step))
+                    self.on_commit(step, self.location(step))
 
         self.pending = _PendingSave(step, response.staging_completion, self._finisher.submit(finish))
 
@@ -276,15 +336,20 @@ class Checkpointer:
         pending.staged.result()
         pending.finished.result()
 
-    def _commit(self, step: int, staging: Path, trainer_state: dict[str, Any]) -> None:
+    def _commit(self, step: int, staging: Path | str, trainer_state: dict[str, Any]) -> None:
         metadata = {
             **trainer_state,
             "step": step,
             "layout": dataclasses.asdict(self.spec.layout),
             "world_size": dist.get_world_size() if self.distributed else 1,
         }
+        metadata_text = json.dumps(metadata, indent=2, sort_keys=True) + "\n"
+        if self.stored is not None:
+            self._commit_stored(step, metadata_text)
+            return
+        assert isinstance(staging, Path)
         written = CheckpointDir(staging)
-        written.metadata_file.write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        written.metadata_file.write_text(metadata_text)
         written.spec_file.write_text(self.spec.to_json() + "\n")
         copy_tokenizer(self.tokenizer_dir, written.tokenizer_dir)
         _fsync_tree(staging)
@@ -297,18 +362,65 @@ class Checkpointer:
         for old in self.run_dir.committed_checkpoints()[: -self.spec.train.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def _commit_stored(self, step: int, metadata_text: str) -> None:
+        """Every rank's shards and RNG file and DCP's metadata are written: add rank 0's files,
+        then the marker that makes the checkpoint count, then prune."""
+        stored = self.stored
+        assert stored is not None
+        stored.fs.pipe_file(stored.path_of(step, CHECKPOINT_METADATA), metadata_text.encode())
+        stored.fs.pipe_file(stored.path_of(step, CHECKPOINT_SPEC), (self.spec.to_json() + "\n").encode())
+        for name in TOKENIZER_FILES:
+            stored.fs.put_file(str(self.tokenizer_dir / name), stored.path_of(step, CHECKPOINT_TOKENIZER, name))
+        stored.commit(step)
+        for old in stored.committed_steps()[: -self.spec.train.keep_checkpoints]:
+            stored.remove(old)
+
+    # Which checkpoints there are ----------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        """The step of the newest committed checkpoint, if any."""
+        if self.stored is not None:
+            return self.stored.latest_step()
+        latest = self.run_dir.latest_checkpoint()
+        return None if latest is None else step_of(latest)
+
+    def remove_uncommitted(self) -> None:
+        """Deletes the torn saves of an earlier attempt; rank 0, before any rank saves."""
+        if self.stored is not None:
+            self.stored.remove_uncommitted()
+        else:
+            remove_uncommitted(self.run_dir.path)
+
     # Loading ---------------------------------------------------------------------------------
 
-    def load(self, checkpoint: Path) -> dict[str, Any]:
-        """Restores model, optimizer and this rank's RNG; returns the trainer state saved with them."""
+    def load(self, step: int) -> dict[str, Any]:
+        """Restores model, optimizer and this rank's RNG from the committed checkpoint of `step`;
+        returns the trainer state saved with them."""
         state = self._state_dict()
+        reader: dict[str, Any] = (
+            {"storage_reader": FsspecReader(self.stored.url_of(step))}
+            if self.stored is not None
+            else {"checkpoint_id": self.run_dir.checkpoint(step)}
+        )
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=checkpoint, no_dist=not self.distributed)
+            dcp.load(state, no_dist=not self.distributed, **reader)
         for part, opt in zip(self.parts, self.optimizers, strict=True):
             # Each part takes its own names from the merged dicts (other stages' names are ignored).
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, optim_state_dict=state["optim"], options=_OPTIM_OPTIONS)
+        if self.stored is not None:
+            return self._load_stored_extras(step)
+        checkpoint = self.run_dir.checkpoint(step)
         rng_file = CheckpointDir(checkpoint).rng_file(self.rank)
         if rng_file.exists():  # absent when resuming on more ranks than saved; those keep their seed
             set_rng_state(torch.load(rng_file, weights_only=False))
         return read_metadata(checkpoint)
+
+    def _load_stored_extras(self, step: int) -> dict[str, Any]:
+        stored = self.stored
+        assert stored is not None
+        rng_path = stored.path_of(step, rng_name(self.rank))
+        if stored.fs.exists(rng_path):  # absent when resuming on more ranks than saved
+            set_rng_state(torch.load(io.BytesIO(stored.fs.cat_file(rng_path)), weights_only=False))
+        metadata: dict[str, Any] = json.loads(stored.fs.cat_file(stored.path_of(step, CHECKPOINT_METADATA)))
+        return metadata

@@ -1,6 +1,10 @@
 """A committed checkpoint → a Hugging Face `LlamaForCausalLM` folder that vLLM serves.
 
     python -m training.export RUN_DIR/checkpoints/step_00000050 OUT_DIR [--dtype bfloat16]
+    python -m training.export s3://bucket/prefix/runs/RUN/checkpoints/step_00000050 OUT_DIR
+
+A checkpoint on object storage (`training.checkpoint_storage`) is read through fsspec where it
+is; the export is written to the local OUT_DIR.
 
 Runs in one process (no torchrun): DCP reads the model's tensors from every shard into a whole
 model, whatever layout wrote them. Fathom's parameter names are HF's minus the `model.` prefix
@@ -14,16 +18,19 @@ import argparse
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from training.config import RunSpec
-from training.data import END_OF_TEXT, IM_END, copy_tokenizer, special_token_ids
+from training.data import END_OF_TEXT, IM_END, TOKENIZER_FILES, copy_tokenizer, special_token_ids
 from training.hf_format import EXPORT_DTYPE, hf_config
 from training.model import Transformer
-from training.run_dir import CheckpointDir, RunDir
+from training.run_dir import CHECKPOINT_SPEC, CHECKPOINT_TOKENIZER, COMMITTED_MARKER, CheckpointDir, RunDir
+from training.storage import Storage, local_root
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,29 +40,54 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
-def load_model(checkpoint: Path) -> tuple[RunSpec, Transformer]:
-    """The whole fp32 model stored in a committed checkpoint, in this process."""
-    stored = CheckpointDir(checkpoint)
-    if not stored.is_committed:
-        raise ValueError(f"{checkpoint} is not a committed checkpoint (no {stored.committed_marker.name} marker)")
-    spec = RunSpec.from_json(stored.spec_file.read_text())
+def _on_object_storage(checkpoint: Path | str) -> bool:
+    return isinstance(checkpoint, str) and local_root(checkpoint) is None
+
+
+def load_model(checkpoint: Path | str) -> tuple[RunSpec, Transformer]:
+    """The whole fp32 model stored in a committed checkpoint (a folder, or a URL on object
+    storage), in this process."""
+    reader: dict[str, Any]
+    if _on_object_storage(checkpoint):
+        assert isinstance(checkpoint, str)
+        remote = Storage.open(checkpoint)
+        if not remote.fs.exists(remote.path(COMMITTED_MARKER)):
+            raise ValueError(f"{checkpoint} is not a committed checkpoint (no {COMMITTED_MARKER} marker)")
+        spec = RunSpec.from_json(remote.fs.cat_file(remote.path(CHECKPOINT_SPEC)).decode())
+        reader = {"storage_reader": FsspecReader(checkpoint)}
+    else:
+        stored = CheckpointDir(Path(checkpoint))
+        if not stored.is_committed:
+            raise ValueError(f"{checkpoint} is not a committed checkpoint (no {stored.committed_marker.name} marker)")
+        spec = RunSpec.from_json(stored.spec_file.read_text())
+        reader = {"checkpoint_id": Path(checkpoint)}
     model = Transformer(spec.model)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # fills the tensors in place
+        dcp.load(state, no_dist=True, **reader)  # fills the tensors in place
     model.load_state_dict(state["model"])
     return spec, model.eval()
 
 
-def export(checkpoint: Path, out_dir: Path, dtype: str = EXPORT_DTYPE) -> Path:
+def _copy_tokenizer(checkpoint: Path | str, out_dir: Path) -> None:
+    if _on_object_storage(checkpoint):
+        assert isinstance(checkpoint, str)
+        remote = Storage.open(checkpoint)
+        for name in TOKENIZER_FILES:
+            remote.fs.get_file(remote.path(CHECKPOINT_TOKENIZER, name), str(out_dir / name))
+    else:
+        copy_tokenizer(CheckpointDir(Path(checkpoint)).tokenizer_dir, out_dir)
+
+
+def export(checkpoint: Path | str, out_dir: Path, dtype: str = EXPORT_DTYPE) -> Path:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     spec, model = load_model(checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    copy_tokenizer(CheckpointDir(checkpoint).tokenizer_dir, out_dir)
+    _copy_tokenizer(checkpoint, out_dir)
     special = special_token_ids(out_dir)
     (out_dir / "config.json").write_text(json.dumps(hf_config(spec.model, dtype, special[END_OF_TEXT]), indent=2) + "\n")
     generation = {
@@ -71,12 +103,16 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = EXPORT_DTYPE) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a committed checkpoint folder, or a run folder (its newest)")
+    parser.add_argument(
+        "checkpoint", help="a committed checkpoint folder or URL on object storage, or a run folder (its newest)"
+    )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     args = parser.parse_args(argv)
-    checkpoint = args.checkpoint
-    if not CheckpointDir(checkpoint).is_committed:
+    checkpoint: Path | str = args.checkpoint
+    if not _on_object_storage(args.checkpoint):
+        checkpoint = Path(args.checkpoint)
+    if isinstance(checkpoint, Path) and not CheckpointDir(checkpoint).is_committed:
         newest = RunDir(checkpoint).latest_checkpoint()
         if newest is None:
             raise SystemExit(f"{checkpoint} is neither a committed checkpoint nor a run folder with one")

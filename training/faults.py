@@ -53,7 +53,7 @@ class FaultHook:
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         pass
 
-    def before_checkpoint_commit(self, step: int, staging_dir: Path) -> None:
+    def before_checkpoint_commit(self, step: int, staging_dir: Path | str) -> None:
         for fault in self._mine:
             if fault.kind == "kill_during_checkpoint" and fault.step == step and self._claim(fault):
                 _fire(fault)

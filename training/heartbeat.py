@@ -75,7 +75,7 @@ class HeartbeatHook:
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         self._step, self._phase = step, "between_steps"
 
-    def before_checkpoint_commit(self, step: int, staging_dir: Path) -> None:
+    def before_checkpoint_commit(self, step: int, staging_dir: Path | str) -> None:
         self._phase = "checkpoint"
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ class TrainHook(Protocol):
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         """Called after the optimizer step; `metrics` is rank 0's metrics row (empty on other ranks)."""
 
-    def before_checkpoint_commit(self, step: int, staging_dir: Path) -> None:
+    def before_checkpoint_commit(self, step: int, staging_dir: Path | str) -> None:
         """Called after every shard of a checkpoint is written and before it is committed."""
 
     def close(self) -> None:

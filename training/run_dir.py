@@ -25,6 +25,11 @@
         exports/step_<NNNNNNNN>/        a checkpoint in Hugging Face format (config.json last)
         exports/step_<NNNNNNNN>.tmp/    an export being written
 
+    <storage URL>/runs/<run folder name>/checkpoints/step_<NNNNNNNN>/
+                                    the checkpoints, when the run's `data.storage` names object
+                                    storage (`training.checkpoint_storage`): the same files, written
+                                    in place (object storage has no rename), COMMITTED last
+
     /dev/shm/fathom-<hash of RUN_DIR>/  (or $FATHOM_SNAPSHOT_ROOT) each rank's in-memory snapshots
         rank<R>-slot<S>.bin             on this host (training.memory_snapshot), for as long as the agent lives
         rank<R>-slot<S>-step<N>.meta    what a slot holds, once it is whole
@@ -38,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 # Where in-memory snapshots live: a tmpfs (shared memory) that outlives a rank's process.
 SNAPSHOT_ROOT = "FATHOM_SNAPSHOT_ROOT"
@@ -51,7 +56,32 @@ def _step_folder(step: int) -> str:
     return f"{_STEP_PREFIX}{step:08d}"
 
 
-def step_of(path: Path) -> int | None:
+# The names inside a checkpoint, for a local folder (`CheckpointDir`) and on object storage alike.
+COMMITTED_MARKER = "COMMITTED"
+CHECKPOINT_METADATA = "fathom.json"
+CHECKPOINT_SPEC = "spec.json"
+CHECKPOINT_TOKENIZER = "tokenizer"
+CHECKPOINT_RNG = "rng"
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder (or object prefix) name of the checkpoint of `step`."""
+    return _step_folder(step)
+
+
+def rng_name(rank: int) -> str:
+    """Rank `rank`'s RNG states, relative to its checkpoint."""
+    return f"{CHECKPOINT_RNG}/rank{rank:05d}.pt"
+
+
+def storage_checkpoints_url(storage: str, run_folder_name: str) -> str:
+    """Where a run keeps its checkpoints on storage `storage` (a URL): the same layout under the
+    storage root as under FATHOM_DATA_DIR, so the default `file://$FATHOM_DATA_DIR` names the run
+    folder's own checkpoints folder."""
+    return "/".join([storage.rstrip("/"), "runs", run_folder_name, "checkpoints"])
+
+
+def step_of(path: PurePath) -> int | None:
     """The step a checkpoint's (or an export's) folder name says, or None for any other name."""
     name = path.name
     if not name.startswith(_STEP_PREFIX) or not name[len(_STEP_PREFIX) :].isdigit():
@@ -68,7 +98,7 @@ class CheckpointDir:
     @property
     def committed_marker(self) -> Path:
         """Written (and fsync'd) last: a folder without it never counts."""
-        return self.path / "COMMITTED"
+        return self.path / COMMITTED_MARKER
 
     @property
     def is_committed(self) -> bool:
@@ -77,22 +107,22 @@ class CheckpointDir:
     @property
     def metadata_file(self) -> Path:
         """Step, sampler position and the layout it was written with (`training.checkpoint`)."""
-        return self.path / "fathom.json"
+        return self.path / CHECKPOINT_METADATA
 
     @property
     def spec_file(self) -> Path:
-        return self.path / "spec.json"
+        return self.path / CHECKPOINT_SPEC
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.path / "tokenizer"
+        return self.path / CHECKPOINT_TOKENIZER
 
     def rng_file(self, rank: int) -> Path:
-        return self.path / "rng" / f"rank{rank:05d}.pt"
+        return self.path / rng_name(rank)
 
     @property
     def rng_dir(self) -> Path:
-        return self.path / "rng"
+        return self.path / CHECKPOINT_RNG
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from training.checkpoint import Checkpointer, remove_uncommitted, rng_state, set_rng_state
+from training.checkpoint import Checkpointer, rng_state, set_rng_state
 from training.checkpoint_policy import CheckpointPolicy, SnapshotPolicy
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
@@ -33,7 +33,7 @@ from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
 from training.rank_environment import RankEnvironment
 from training.rank_events import EventLog
-from training.run_dir import RunDir, step_of
+from training.run_dir import RunDir
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -123,6 +123,7 @@ class Trainer:
             rank=rank,
             hooks=self.hooks,
             on_commit=self._on_commit,
+            storage=spec.data.storage,
         )
         # In-memory snapshots only under a node agent, which removes them when it exits.
         self.snapshots = (
@@ -236,10 +237,10 @@ class Trainer:
 
     # --- The run --------------------------------------------------------------------------------
 
-    def _on_commit(self, step: int, path: Path) -> None:
-        say(f"checkpoint step {step} committed at {path}")
+    def _on_commit(self, step: int, location: str) -> None:
+        say(f"checkpoint step {step} committed at {location}")
         if self.events is not None:
-            self.events.emit("checkpoint", step=step, path=str(path))
+            self.events.emit("checkpoint", step=step, path=location)
 
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint's fathom.json keeps beside the tensors (the checkpointer adds the spec)."""
@@ -264,11 +265,11 @@ class Trainer:
         holds one newer than the newest committed checkpoint, else that checkpoint. Returns the
         step it holds (or 0)."""
         if self.rank == 0:
-            remove_uncommitted(self.run_dir)  # torn saves of an earlier attempt
+            self.checkpointer.remove_uncommitted()  # torn saves of an earlier attempt
         if self.distributed:
             dist.barrier()  # every rank sees the same checkpoints folder from here on
-        checkpoint = RunDir(self.run_dir).latest_checkpoint()
-        memory_step = self._memory_step(0 if checkpoint is None else int(step_of(checkpoint) or 0))
+        checkpoint = self.checkpointer.latest_step()
+        memory_step = self._memory_step(0 if checkpoint is None else checkpoint)
         if memory_step is not None:
             assert self.snapshots is not None
             extra = self.snapshots.restore(memory_step)
@@ -284,10 +285,11 @@ class Trainer:
             return 0
         state = self.checkpointer.load(checkpoint)
         self.sampler.load_state_dict(state["sampler"])
+        location = self.checkpointer.location(checkpoint)
         if self.rank == 0:
-            say(f"resumed from step {state['step']} ({checkpoint})")
+            say(f"resumed from step {state['step']} ({location})")
         if self.events is not None:
-            self.events.emit("resumed", step=state["step"], path=str(checkpoint))
+            self.events.emit("resumed", step=state["step"], path=location)
         return int(state["step"])
 
     def fit(self) -> int:

@@ -28,6 +28,11 @@ LOGS_DIR = DATA_DIR / "logs"
 for _folder in (DATA_DIR, DATASETS_DIR, RUNS_DIR, DEPLOYMENTS_DIR, LOGS_DIR, DATA_DIR / "static"):
     _folder.mkdir(parents=True, exist_ok=True)
 
+# Where runs keep their checkpoints (fsspec URL, `training.storage`): the data dir itself by
+# default; `s3://bucket/prefix` in a cluster whose hosts share no folder. Endpoint and credentials
+# are the standard AWS variables, read by s3fs (botocore) in each process that reaches storage.
+STORAGE_URL = env_str("FATHOM_STORAGE_URL", f"file://{DATA_DIR}")
+
 
 # Generated once and kept in the data dir when unset, so sessions survive restarts.
 SECRET_KEY = env_secret("SECRET_KEY", DATA_DIR / "secret_key", nbytes=50)

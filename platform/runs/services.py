@@ -33,7 +33,9 @@ from hosts import capacity
 from hosts.models import Host
 from runs import launcher
 from runs.models import Checkpoint, Dataset, Run, RunEvent
+from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
+from training.storage import StorageError, check_storage, local_root
 
 CONTROL_SOURCE = "control"
 
@@ -69,6 +71,7 @@ def check_spec(spec: dict[str, Any], recipe: str = "tiny") -> RunSpec:
 _DATA_OBJECT_FOR_PATH = {
     "dataset": 'choose one of your datasets with the run\'s "dataset" field (a dataset id)',
     "tokenizer": 'reuse the tokenizer of one of your runs with the run\'s "tokenizer_run" field (a run id)',
+    "storage": "the server chooses where checkpoints are kept (FATHOM_STORAGE_URL)",
 }
 
 
@@ -114,6 +117,28 @@ def check_run_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | 
                 f"the tokenizer of run {tokenizer_run.pk} has {vocab} tokens, more than "
                 f"spec.model.vocab_size={spec.model.vocab_size}; raise the vocabulary size to at least {vocab}",
             )
+
+
+def run_storage() -> str:
+    """What a run's `data.storage` holds: empty while storage is the data dir itself, whose run
+    folders already hold their checkpoints; else FATHOM_STORAGE_URL."""
+    root = local_root(settings.STORAGE_URL)
+    if root is not None and root.resolve() == settings.DATA_DIR:
+        return ""
+    return str(settings.STORAGE_URL)
+
+
+def check_run_storage() -> None:
+    """Storage must answer and take a write before a run that will checkpoint there is queued:
+    bad credentials, a missing bucket or an unreachable endpoint are a 400 now, not a failed run
+    at its first checkpoint."""
+    url = run_storage()
+    if not url:
+        return
+    try:
+        check_storage(url)
+    except StorageError as exc:
+        raise InvalidInput("storage", f"{exc}; an administrator must fix FATHOM_STORAGE_URL or its credentials") from None
 
 
 # --- Datasets -------------------------------------------------------------------------------
@@ -225,6 +250,7 @@ def resolve_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | No
     data = DataConfig(
         dataset=dataset.path if dataset is not None else "",
         tokenizer=str(tokenizer_run.tokenizer_dir) if tokenizer_run is not None else "",
+        storage=run_storage(),
     )
     return dataclasses.replace(spec, data=data)
 
@@ -238,6 +264,7 @@ def do_create_run(
     fills it in again (the launcher writes it as stored)."""
     check_run_data(spec, dataset, tokenizer_run)
     check_fits_cluster(spec)
+    check_run_storage()
     resolved = resolve_data(spec, dataset, tokenizer_run)
     with transaction.atomic():
         run = Run.objects.create(
@@ -536,7 +563,8 @@ def _mark_pruned(run: Run) -> list[RunEvent]:
     checkpoint event arrives (and when the run ends) catches every pruning."""
     pruned: list[RunEvent] = []
     for checkpoint in Checkpoint.objects.filter(run=run, pruned_at__isnull=True):
-        if Path(checkpoint.path).exists():
+        on_object_storage = local_root(checkpoint.path) is None
+        if is_committed_at(checkpoint.path) if on_object_storage else Path(checkpoint.path).exists():
             continue
         if Checkpoint.objects.filter(pk=checkpoint.pk, pruned_at__isnull=True).update(pruned_at=timezone.now()):
             data = {"step": checkpoint.step, "exported": bool(checkpoint.export_path)}

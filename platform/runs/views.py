@@ -127,6 +127,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         checked = serializer.validated_data
         services.check_run_data(checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"))
         services.check_fits_cluster(checked["run_spec"])
+        services.check_run_storage()
         return Response({"spec": checked["run_spec"].to_dict()})
 
     # A run keeps a handful of checkpoints (train.keep_checkpoints prunes the rest), so they come

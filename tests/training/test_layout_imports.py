@@ -57,8 +57,11 @@ def test_the_planner_takes_only_the_config_and_the_flop_count() -> None:
     assert offending("training/planner", allowed, ("training",)) == {}
 
 
-def test_the_control_plane_takes_from_training_only_the_config_the_planner_the_run_folder_and_the_export_config() -> None:
-    allowed = ("training.config", "training.planner", "training.run_dir", "training.hf_format")
+def test_the_control_plane_takes_from_training_only_the_config_the_planner_the_run_folder_storage_and_the_export_config() -> None:
+    allowed = (
+        "training.config", "training.planner", "training.run_dir", "training.hf_format",
+        "training.storage", "training.checkpoint_storage",
+    )  # fmt: skip
     assert offending("platform", allowed, ("training",)) == {}
 
 

@@ -1,0 +1,79 @@
+"""A run's checkpoint storage, against a real S3 server (moto's): a run is queued only if the storage
+answers, and a checkpoint on S3 counts as pruned once its marker is gone."""
+
+from __future__ import annotations
+
+import pytest
+
+from runs.models import Checkpoint, Run
+from tests.platform.test_runs_api import ingest, token_for
+from tools.s3_server import S3Server
+from training.checkpoint_storage import StoredCheckpoints
+
+pytestmark = pytest.mark.django_db
+
+
+def submit(api):
+    return api.post("/api/runs/", {"name": "r", "recipe": "tiny"}, format="json")
+
+
+def test_a_run_on_reachable_s3_is_queued_with_the_storage_in_its_spec(alice_api, s3: S3Server, settings) -> None:
+    settings.STORAGE_URL = s3.url("cluster")
+    response = submit(alice_api)
+    assert response.status_code == 201, response.json()
+    assert Run.objects.get(pk=response.json()["id"]).spec["data"]["storage"] == "s3://fathom/cluster"
+
+
+def test_a_run_is_refused_when_the_storage_credentials_are_wrong(
+    alice_api, s3: S3Server, settings, monkeypatch
+) -> None:
+    settings.STORAGE_URL = s3.url("cluster")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    response = submit(alice_api)
+    assert response.status_code == 400
+    (message,) = response.json()["storage"]
+    assert "s3://fathom/cluster" in message and "access denied" in message
+    assert not Run.objects.exists()
+
+
+def test_a_run_is_refused_when_the_bucket_does_not_exist(alice_api, s3: S3Server, settings) -> None:
+    settings.STORAGE_URL = "s3://no-such-bucket/cluster"
+    response = submit(alice_api)
+    assert response.status_code == 400
+    (message,) = response.json()["storage"]
+    assert "s3://no-such-bucket/cluster" in message and "bucket" in message and "does not exist" in message
+    assert not Run.objects.exists()
+
+
+def test_a_run_is_refused_when_the_storage_endpoint_does_not_answer(
+    alice_api, s3: S3Server, settings, monkeypatch
+) -> None:
+    settings.STORAGE_URL = s3.url("cluster")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard: nothing listens there
+    response = alice_api.post("/api/runs/check/", {"name": "r", "recipe": "tiny"}, format="json")
+    assert response.status_code == 400
+    assert "the endpoint did not answer" in response.json()["storage"][0]
+
+
+def test_a_user_cannot_choose_where_checkpoints_go(alice_api) -> None:
+    response = alice_api.post(
+        "/api/runs/", {"name": "r", "recipe": "tiny", "spec": {"data": {"storage": "s3://mine"}}}, format="json"
+    )
+    assert response.status_code == 400
+    assert "FATHOM_STORAGE_URL" in response.json()["spec"]["data"]["storage"][0]
+
+
+def test_a_checkpoint_on_s3_is_marked_pruned_once_its_marker_is_gone(client, alice_api, s3: S3Server, settings) -> None:
+    settings.STORAGE_URL = s3.url("cluster")
+    run_id = submit(alice_api).json()["id"]
+    stored = StoredCheckpoints(s3.url("cluster/runs/pruning/checkpoints"))
+    for step in (10, 20):
+        stored.fs.pipe_file(stored.path_of(step, "fathom.json"), b"{}")
+        stored.commit(step)
+    token = token_for(run_id)
+    reported = [{"seq": i, "kind": "checkpoint", "data": {"step": step, "path": stored.url_of(step)}} for i, step in ((1, 10), (2, 20))]
+    ingest(client, run_id, token, reported[:1])
+    stored.remove(10)  # what rank 0 does when it prunes, before it reports the checkpoint that replaced it
+    ingest(client, run_id, token, reported[1:])
+    pruned = {c.step: c.pruned_at is not None for c in Checkpoint.objects.filter(run_id=run_id)}
+    assert pruned == {10: True, 20: False}
