@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from training.checkpoint_storage import StoredCheckpoints
+from training.checkpoint_storage import StoredCheckpoints, checkpoints_of
 from training.config import RunSpec
 from training.data import TOKENIZER_FILES, copy_tokenizer
 from training.hooks import TrainHook
@@ -62,9 +62,7 @@ from training.run_dir import (
     RunDir,
     rng_name,
     step_of,
-    storage_checkpoints_url,
 )
-from training.storage import local_root
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -162,14 +160,10 @@ class Checkpointer:
         # layout; object storage, `StoredCheckpoints` there.
         storage: str = "",
     ) -> None:
-        root = local_root(storage) if storage else None
-        self.stored = (
-            StoredCheckpoints(storage_checkpoints_url(storage, Path(run_dir).name))
-            if storage and root is None
-            else None
-        )
+        where = checkpoints_of(Path(run_dir), storage)
+        self.stored = where if isinstance(where, StoredCheckpoints) else None
         # Where local checkpoints go: the run folder's, or the same names under a file:// storage root.
-        self.run_dir = RunDir(root / "runs" / Path(run_dir).name) if root is not None else RunDir(run_dir)
+        self.run_dir = where if isinstance(where, RunDir) else RunDir(run_dir)
         self.parts = parts
         self.optimizers = optimizers
         self.spec = spec

@@ -13,12 +13,12 @@ Torch-free: the control plane reads the same markers to tell a pruned checkpoint
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from fsspec.spec import AbstractFileSystem
 
-from training.run_dir import COMMITTED_MARKER, checkpoint_name, step_of
-from training.storage import Storage, join
+from training.run_dir import COMMITTED_MARKER, RunDir, checkpoint_name, step_of, storage_checkpoints_url
+from training.storage import Storage, join, local_root
 
 
 class StoredCheckpoints:
@@ -87,3 +87,22 @@ def is_committed_at(checkpoint_url: str) -> bool:
     """Whether the checkpoint at `checkpoint_url` (a step's prefix, as a run reports it) still counts."""
     stored = Storage.open(checkpoint_url)
     return bool(stored.fs.exists(stored.path(COMMITTED_MARKER)))
+
+
+def checkpoints_of(run_dir: Path, storage: str) -> RunDir | StoredCheckpoints:
+    """Where the run in `run_dir` keeps its checkpoints, by its `data.storage`: empty, its own
+    folder; a file:// URL, a folder of the same layout under that root; object storage, there."""
+    if not storage:
+        return RunDir(run_dir)
+    root = local_root(storage)
+    if root is not None:
+        return RunDir(root / "runs" / run_dir.name)
+    return StoredCheckpoints(storage_checkpoints_url(storage, run_dir.name))
+
+
+def latest_committed_step(run_dir: Path, storage: str) -> int:
+    """The step of the run's newest committed checkpoint wherever it keeps them; 0 for none."""
+    where = checkpoints_of(run_dir, storage)
+    if isinstance(where, RunDir):
+        return where.latest_committed_step()
+    return where.latest_step() or 0

@@ -388,15 +388,17 @@ class RunSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class NodePlan:
-    """What a node agent takes from a run's spec: the `nodes` section and the planned world size.
+    """What a node agent takes from a run's spec: the `nodes` section, the planned world size and
+    where the checkpoints are (`data.storage`).
 
-    The agent reads only these two sections of the spec file; the ranks parse the whole spec and
+    The agent reads only these of the spec file; the ranks parse the whole spec and
     derive their own from it when the rendezvous formed a smaller world (`RunSpec.resized`), so
     between the API and a rank the spec is parsed twice in all: at submit and in the rank.
     """
 
     nodes: NodesConfig
     world_size: int
+    storage: str = ""  # data.storage: where the run's checkpoints are, so the agent can see its progress
 
     @property
     def nproc_per_node(self) -> int:
@@ -408,7 +410,12 @@ class NodePlan:
         if not isinstance(data, dict):
             raise SpecError("spec", f"must be an object; got {type(data).__name__}")
         layout = _build("layout", LayoutConfig, data.get("layout", {}))
-        return cls(nodes=_build("nodes", NodesConfig, data.get("nodes", {})), world_size=layout.world_size)
+        storage = data.get("data", {}).get("storage", "") if isinstance(data.get("data"), dict) else ""
+        return cls(
+            nodes=_build("nodes", NodesConfig, data.get("nodes", {})),
+            world_size=layout.world_size,
+            storage=storage if isinstance(storage, str) else "",
+        )
 
 
 def _build(section: str, cls: type, values: Any) -> Any:

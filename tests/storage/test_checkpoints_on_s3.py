@@ -56,6 +56,10 @@ def test_a_dp2_tp2_run_killed_mid_run_resumes_from_s3_on_the_uninterrupted_loss_
     assert sorted(faulty.losses()) == list(range(1, 13))
     assert checkpoints.committed_steps() == [4, 8, 12]
     assert not RunDir(tmp_path / "faulty").checkpoints_dir.exists()
+    # The agent sees the run's progress on S3 too: what the timeline says it restarts from and
+    # ends at (and what gives a run that checkpoints its restart budget back).
+    assert [r["from_step"] for r in faulty.of_kind("restarting")] == [4]
+    assert [s["step"] for s in faulty.of_kind("succeeded")] == [12]
 
 
 def test_a_checkpoint_on_s3_resumes_on_another_layout(tmp_path: Path, s3: S3Server) -> None:

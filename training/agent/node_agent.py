@@ -65,6 +65,7 @@ from training.agent.rank_processes import (
 )
 from training.agent.uplink import Reporter, ReporterConfig
 from training.agent.watchdog import RankFailure, Watchdog, WatchdogConfig
+from training.checkpoint_storage import latest_committed_step
 from training.config import NodePlan
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
 from training.rank_environment import RankEnvironment, RankError
@@ -262,7 +263,7 @@ class NodeAgent(SimpleElasticAgent):
             logger.info("cancel requested: stopping ranks (grace %.0f s)", self.config.cancel_grace)
             stop_ranks(self._ranks, sig=signal.SIGTERM, grace=self.config.cancel_grace)
             outcome = Outcome(
-                code=ExitCode.CANCELLED, kind="cancelled", data={"step": self.config.folder.latest_committed_step()}
+                code=ExitCode.CANCELLED, kind="cancelled", data={"step": self._latest_committed_step()}
             )
         except RendezvousError as exc:
             cancelled = self.config.folder.cancel_marker.exists()
@@ -299,7 +300,7 @@ class NodeAgent(SimpleElasticAgent):
             if state.succeeded:
                 self._exit_barrier()
                 return Outcome(
-                    code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": self.config.folder.latest_committed_step()}
+                    code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": self._latest_committed_step()}
                 )
             if state.failures:
                 # Root causes first: a rank that died or hung takes its peers' collectives down
@@ -372,13 +373,17 @@ class NodeAgent(SimpleElasticAgent):
                 )
         return None
 
+    def _latest_committed_step(self) -> int:
+        """The run's newest committed checkpoint, in its folder or on object storage."""
+        return latest_committed_step(self.config.run_dir, self.plan.storage)
+
     def _recoverable_step(self) -> int:
         """The newest step a restart of this node's ranks could resume from: the newest committed
         checkpoint, or the newest in-memory snapshot every local rank holds (`training.memory_snapshot`),
         so progress kept only in memory also gives the restart budget back."""
         folder = self.config.folder
         in_memory = [max(folder.memory_snapshot_metas(r.global_rank).values(), default=0) for r in self._ranks]
-        return max(folder.latest_committed_step(), min(in_memory, default=0))
+        return max(self._latest_committed_step(), min(in_memory, default=0))
 
     def _progressed(self) -> bool:
         """Whether the failed attempt finished at least one step past its checkpoint."""
@@ -404,7 +409,7 @@ class NodeAgent(SimpleElasticAgent):
             "restarting",
             {
                 "attempt": self._restarts,
-                "from_step": self.config.folder.latest_committed_step(),
+                "from_step": self._latest_committed_step(),
                 "reason": reason,
                 "backoff": backoff,
                 "restarts_left": self._remaining_restarts,
@@ -594,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = agent.execute()
     except CancelRequested:  # arrived during the clean-up of another outcome
         outcome = Outcome(
-            code=ExitCode.CANCELLED, kind="cancelled", data={"step": config.folder.latest_committed_step()}
+            code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(config.run_dir, plan.storage)}
         )
     # The ranks' in-memory snapshots on this host are of no use once its agent is gone.
     shutil.rmtree(config.folder.memory_snapshot_dir, ignore_errors=True)
