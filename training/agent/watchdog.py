@@ -26,6 +26,11 @@ class WatchdogConfig:
     # Before its first beat a rank imports torch, joins the process group and loads the newest
     # checkpoint; on a large model from network storage that takes minutes, so it gets longer.
     startup_timeout: float = 600.0
+    # After its first beat a starting rank still imports lazily (a storage client and the service
+    # models it parses on first use) and reads its checkpoint: one C call can hold the GIL, and so
+    # silence the beat thread, for seconds on a busy host. Until its first step it is judged by
+    # at least this (seen: 2.2 s of silence in an S3 resume on a 2-core host at load 10).
+    starting_timeout: float = 15.0
     # After `close()` the beat stops while the rank tears down its process group and exits; a rank
     # still there after this long is stuck in shutdown.
     exit_timeout: float = 60.0
@@ -85,7 +90,10 @@ class Watchdog:
                 limit = self._config.startup_timeout
             else:
                 silent_for = beat.age(now)
-                limit = self._config.exit_timeout if beat.phase == "done" else self._config.heartbeat_timeout
+                limit = {
+                    "done": self._config.exit_timeout,
+                    "starting": max(self._config.heartbeat_timeout, self._config.starting_timeout),
+                }.get(beat.phase, self._config.heartbeat_timeout)
             if silent_for > limit:
                 failures.append(self._failure(rank, beat, now, silent_for=silent_for))
         succeeded = not failures and all(r.poll() == 0 for r in ranks)
