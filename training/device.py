@@ -70,7 +70,9 @@ def table_peak_flops(device_name: str) -> float | None:
     return None
 
 
-def peak_flops(device: ComputeDevice, precision: str, cache_dir: Path | None = None) -> float:
+def peak_flops(
+    device: ComputeDevice, precision: str, cache_dir: Path | None = None, host_cache_dir: Path | None = None
+) -> float:
     """The per-rank FLOP/s that MFU divides by, in the run's precision.
 
     CPU: the best measured matmul in the run's dtype on this process's threads
@@ -80,25 +82,43 @@ def peak_flops(device: ComputeDevice, precision: str, cache_dir: Path | None = N
 
     A probe takes about half a second, and a restarted job waits for it: with `cache_dir` (the run's),
     the figure measured on this host is kept there and read back by later attempts, which also keeps
-    MFU comparable across restarts.
+    MFU comparable across restarts. A half-second probe on a busy host reads low (others take the
+    cores), which would flatter MFU; with `host_cache_dir` (`host_cache()`) the best figure any run
+    measured on this host is kept, and a run takes the better of its own probe and that one.
     """
-    if cache_dir is None:
-        return _peak_flops(device, precision)
     if device.type == "cpu":
         name = f"cpu-{torch.get_num_threads()}threads"
     else:
         name = torch.cuda.get_device_name(device.torch_device).replace(" ", "_")
-    cache = cache_dir / f"{socket.gethostname()}-{name}-{precision}.json"
-    try:
-        return float(json.loads(cache.read_text())["flops"])
-    except (OSError, ValueError, KeyError):
-        pass
+    file_name = f"{socket.gethostname()}-{name}-{precision}.json"
+    if cache_dir is not None and (cached := _read_flops(cache_dir / file_name)) is not None:
+        return cached
     flops = _peak_flops(device, precision)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"flops": flops}))
-    os.replace(tmp, cache)
+    if host_cache_dir is not None:
+        flops = max(flops, _read_flops(host_cache_dir / file_name) or 0.0)
+        _write_flops(host_cache_dir / file_name, flops)
+    if cache_dir is not None:
+        _write_flops(cache_dir / file_name, flops)
     return flops
+
+
+def host_cache() -> Path:
+    """This host's cache of measured peaks, shared by every run its user starts here."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fathom" / "peak_flops"
+
+
+def _read_flops(path: Path) -> float | None:
+    try:
+        return float(json.loads(path.read_text())["flops"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_flops(path: Path, flops: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"flops": flops}))
+    os.replace(tmp, path)
 
 
 def precision_dtype(precision: str) -> torch.dtype:

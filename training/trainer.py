@@ -24,7 +24,7 @@ from training.checkpoint import Checkpointer, rng_state, set_rng_state
 from training.checkpoint_policy import CheckpointPolicy, SnapshotPolicy
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
-from training.device import CPU, ComputeDevice, device_peak_memory_mb, peak_flops
+from training.device import CPU, ComputeDevice, device_peak_memory_mb, host_cache, peak_flops
 from training.hooks import TrainHook
 from training.memory_snapshot import MemorySnapshots
 from training.metrics import mfu, step_line
@@ -139,7 +139,9 @@ class Trainer:
         )
         self.tokens_per_step = spec.train.global_batch * spec.model.seq_len
         # Every rank's peak in the run's precision and thread count, as rank 0 measures it on its host.
-        self.peak_flops = peak_flops(device, spec.layout.precision, RunDir(run_dir).peak_flops_dir) if rank == 0 else 0.0
+        self.peak_flops = (
+            peak_flops(device, spec.layout.precision, RunDir(run_dir).peak_flops_dir, host_cache()) if rank == 0 else 0.0
+        )
         # The checkpoint policy's plan as an in-memory snapshot kept it, when resume() used one.
         self._resumed_policy: dict[str, Any] | None = None
         self._last_step_end: tuple[int, float] | None = None  # (step, perf_counter) of the last step's end
