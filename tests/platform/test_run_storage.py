@@ -1,14 +1,27 @@
 """A run's checkpoint storage, against a real S3 server (moto's): a run is queued only if the storage
-answers, and a checkpoint on S3 counts as pruned once its marker is gone."""
+answers, a checkpoint on S3 counts as pruned once its marker is gone, and its export goes to S3."""
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from deployments.options import export_info
+from deployments.services import check_checkpoint
+from runs import exports
 from runs.models import Checkpoint, Run
+from serving.export_store import local_copy
+from tests.faults.harness import training_spec
 from tests.platform.test_runs_api import ingest, token_for
+from tools.check_parity import launch
 from tools.s3_server import S3Server
 from training.checkpoint_storage import StoredCheckpoints
+from training.config import DataConfig
+from training.run_dir import storage_checkpoints_url, storage_export_url
 
 pytestmark = pytest.mark.django_db
 
@@ -77,3 +90,32 @@ def test_a_checkpoint_on_s3_is_marked_pruned_once_its_marker_is_gone(client, ali
     ingest(client, run_id, token, reported[1:])
     pruned = {c.step: c.pruned_at is not None for c in Checkpoint.objects.filter(run_id=run_id)}
     assert pruned == {10: True, 20: False}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_on_s3_is_exported_to_s3_and_a_host_serves_a_checked_copy(
+    alice_api, s3: S3Server, settings, tmp_path
+) -> None:
+    settings.STORAGE_URL = s3.url("cluster")
+    run = Run.objects.get(pk=submit(alice_api).json()["id"])
+    spec = dataclasses.replace(training_spec(steps=2, checkpoint_interval=2, dp=1), data=DataConfig(storage=s3.url("cluster")))
+    launch(spec, run.folder, timeout=600)
+    checkpoints = StoredCheckpoints(storage_checkpoints_url(s3.url("cluster"), run.folder.name))
+    checkpoint = Checkpoint.objects.create(run=run, step=2, path=checkpoints.url_of(2))
+    check_checkpoint(checkpoint)  # deployable: its marker is on S3, though no folder is here
+    assert export_info(checkpoint).max_position_embeddings == 32  # read from the spec on S3
+
+    where = exports.export(checkpoint)
+    assert where == storage_export_url(s3.url("cluster"), run.folder.name, 2)
+    assert Checkpoint.objects.get(pk=checkpoint.pk).export_path == where
+    assert not run.run_dir.exports_dir.exists() or not any(run.run_dir.exports_dir.iterdir())  # nothing kept here
+    checkpoint.refresh_from_db()
+    assert exports.export(checkpoint) == where  # whole already: not made again
+    assert export_info(checkpoint).architectures == ("LlamaForCausalLM",)
+
+    # What a serving host does before vLLM starts: a checked copy in its own cache, equal to an
+    # export made from the checkpoint directly.
+    copy = Path(local_copy(where, tmp_path / "host" / "cache"))
+    subprocess.run([sys.executable, "-m", "training.export", checkpoints.url_of(2), str(tmp_path / "direct")], check=True)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (copy / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
