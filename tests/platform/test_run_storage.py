@@ -1,19 +1,21 @@
 """A run's checkpoint storage, against a real S3 server (moto's): a run is queued only if the storage
-answers, a checkpoint on S3 counts as pruned once its marker is gone, and its export goes to S3."""
+answers, a checkpoint on S3 counts as pruned once its marker is gone, and its export and uploaded datasets go to S3."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
 
 from deployments.options import export_info
 from deployments.services import check_checkpoint
 from runs import exports
-from runs.models import Checkpoint, Run
+from runs.models import Checkpoint, Dataset, Run
 from serving.export_store import local_copy
 from tests.faults.harness import training_spec
 from tests.platform.test_runs_api import ingest, token_for
@@ -22,6 +24,7 @@ from tools.s3_server import S3Server
 from training.checkpoint_storage import StoredCheckpoints
 from training.config import DataConfig
 from training.run_dir import storage_checkpoints_url, storage_export_url
+from training.storage import Storage, dataset_url
 
 pytestmark = pytest.mark.django_db
 
@@ -119,3 +122,34 @@ def test_a_checkpoint_on_s3_is_exported_to_s3_and_a_host_serves_a_checked_copy(
     subprocess.run([sys.executable, "-m", "training.export", checkpoints.url_of(2), str(tmp_path / "direct")], check=True)
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (copy / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+
+
+def test_an_upload_goes_to_s3_named_by_its_checksum_and_a_run_names_that_object(
+    alice_api, s3: S3Server, settings
+) -> None:
+    settings.STORAGE_URL = s3.url("cluster")
+    text = b"a line of the corpus\n" * 50
+    response = alice_api.post("/api/datasets/", {"file": SimpleUploadedFile("corpus.txt", text)}, format="multipart")
+    assert response.status_code == 201, response.json()
+    dataset = Dataset.objects.get(pk=response.json()["id"])
+    assert dataset.path == dataset_url(s3.url("cluster"), hashlib.sha256(text).hexdigest(), "corpus.txt")
+    assert dataset.sha256 == hashlib.sha256(text).hexdigest()
+    stored = Storage.open(dataset.path)
+    assert stored.fs.cat_file(stored.root) == text
+    assert not any(settings.DATASETS_DIR.rglob("corpus.txt"))  # the control plane keeps no copy
+
+    response = alice_api.post("/api/runs/", {"name": "r", "recipe": "tiny", "dataset": dataset.pk}, format="json")
+    assert response.status_code == 201, response.json()
+    assert Run.objects.get(pk=response.json()["id"]).spec["data"]["dataset"] == dataset.path
+    # A user still cannot name an object (or a file) in a spec: only their dataset's id.
+    response = alice_api.post(
+        "/api/runs/", {"name": "x", "spec": {"data": {"dataset": dataset.path}}}, format="json"
+    )
+    assert response.status_code == 400
+
+    stored.fs.rm_file(stored.root)
+    response = alice_api.post("/api/runs/", {"name": "r", "recipe": "tiny", "dataset": dataset.pk}, format="json")
+    assert response.status_code == 400
+    assert response.json()["dataset"] == [
+        f"the object of dataset {dataset.pk} (corpus.txt), {dataset.path}, is gone; upload it again"
+    ]
