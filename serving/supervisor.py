@@ -17,6 +17,9 @@ the deployment's folder (`serving.state`), which any process can read without ta
 
 SIGTERM (see `request_stop`) drains every replica, stops it and exits.
 
+A checkpoint on object storage (an export URL) is downloaded into this host's cache, checked,
+before any replica starts (`serving.export_store`); replicas serve that local copy.
+
 Each replica is its own session (process group), so stopping it also stops vLLM's engine-core
 child; each is started through a small launcher that sets PR_SET_PDEATHSIG, so replicas die with
 the supervisor even when it is killed with SIGKILL.
