@@ -12,11 +12,15 @@ from pathlib import Path
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
+from deployments.models import Deployment
 from deployments.options import export_info
 from deployments.services import check_checkpoint
+from deployments.tasks import reconcile_deployments
 from runs import exports
 from runs.models import Checkpoint, Dataset, Run
 from serving.export_store import local_copy
+from serving.state import DeploymentDir
+from serving.supervisor import DeploymentConfig
 from tests.faults.harness import training_spec
 from tests.platform.test_runs_api import ingest, token_for
 from tools.check_parity import launch
@@ -153,3 +157,33 @@ def test_an_upload_goes_to_s3_named_by_its_checksum_and_a_run_names_that_object(
     assert response.json()["dataset"] == [
         f"the object of dataset {dataset.pk} (corpus.txt), {dataset.path}, is gone; upload it again"
     ]
+
+
+def test_a_supervisor_that_cannot_download_its_export_fails_the_deployment_naming_the_object(
+    alice, s3: S3Server, settings, tmp_path
+) -> None:
+    settings.DEPLOYMENTS_DIR = tmp_path / "deployments"
+    run = Run.objects.create(owner=alice, name="source", spec={})
+    torn = s3.url("cluster/runs/torn/exports/step_00000001")  # an upload that never wrote its manifest
+    Storage.open(torn).fs.pipe_file(Storage.open(torn).path("config.json"), b"{}")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere", export_path=torn)
+    deployment = Deployment.objects.create(
+        owner=alice, name="d", checkpoint=checkpoint, served_model_name="torn", status=Deployment.Status.STARTING
+    )
+    config = DeploymentConfig(name="torn", checkpoint=torn, state_dir=str(deployment.folder), python=sys.executable)
+    log = DeploymentDir(deployment.folder).supervisor_log
+    log.parent.mkdir(parents=True)
+    with log.open("wb") as out:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "serving.supervisor", "--config", str(config.write())],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    assert supervisor.wait(timeout=120) != 0
+    Deployment.objects.filter(pk=deployment.pk).update(supervisor_pid=supervisor.pid)
+    assert reconcile_deployments() == 1
+    deployment.refresh_from_db()
+    assert deployment.status == "failed"
+    assert deployment.status_reason == (
+        f"the replica supervisor exited: deployment torn: export {torn} cannot be served: it has no "
+        "fathom-export.json (never finished uploading)"
+    )
