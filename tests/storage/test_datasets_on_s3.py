@@ -4,6 +4,7 @@ content-addressed objects, downloaded once per host, checked, and never seen hal
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 import s3fs
 
+from tests.faults.harness import training_spec
 from tools.s3_server import S3Server
+from training.config import RunSpec
 from training.data import dataset_cache_root
 from training.storage import StorageError, dataset_url, fetch_dataset
 
@@ -79,3 +82,15 @@ def test_ranks_cache_datasets_in_their_hosts_data_folder(tmp_path: Path, monkeyp
     assert dataset_cache_root(tmp_path / "run" / "data") == tmp_path / "host" / "cache"
     monkeypatch.delenv("FATHOM_DATA_DIR")
     assert dataset_cache_root(tmp_path / "run" / "data") == tmp_path / "run" / "data" / "cache"
+
+
+@pytest.mark.slow
+def test_a_run_whose_dataset_object_is_missing_fails_at_once_naming_it(agents, tmp_path: Path, s3: S3Server) -> None:
+    missing = dataset_url(s3.url("datasets-test"), "0" * 64, "gone.txt")
+    data = training_spec(steps=2, checkpoint_interval=2, dp=1).to_dict()
+    data["data"]["dataset"] = missing
+    run = agents.run(RunSpec.from_dict(data), tmp_path / "run")
+    assert run.process.returncode != 0
+    (failed,) = run.of_kind("failed")
+    assert f"dataset object {missing} could not be downloaded: the bucket or prefix does not exist" in json.dumps(failed)
+    assert run.of_kind("restarting") == []  # not retried: every attempt would meet it again
