@@ -17,6 +17,9 @@ the deployment's folder (`serving.state`), which any process can read without ta
 
 SIGTERM (see `request_stop`) drains every replica, stops it and exits.
 
+A checkpoint on object storage (an export URL) is downloaded into this host's cache, checked,
+before any replica starts (`serving.export_store`); replicas serve that local copy.
+
 Each replica is its own session (process group), so stopping it also stops vLLM's engine-core
 child; each is started through a small launcher that sets PR_SET_PDEATHSIG, so replicas die with
 the supervisor even when it is killed with SIGKILL.
@@ -41,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from serving import export_store
 from serving.metrics import parse_prometheus
 from serving.state import (
     DeploymentDir,
@@ -76,7 +80,9 @@ class DeploymentConfig:
     """One deployment: which checkpoint, under which name, on how many replicas, with what timing."""
 
     name: str  # the model name clients send (`--served-model-name`)
-    checkpoint: str  # Hugging Face checkpoint directory
+    # Hugging Face checkpoint directory, or an export on object storage (serving.export_store),
+    # which the supervisor downloads into this host's cache before any replica starts.
+    checkpoint: str
     state_dir: str  # this deployment's folder (serving.state.DeploymentDir)
     python: str  # interpreter of the vLLM environment (tools/vllm_env.sh prints it)
     replicas: int = 1
@@ -524,12 +530,23 @@ async def _serve(config: DeploymentConfig) -> None:
     await supervisor.stop()
 
 
+def export_cache_root(config: DeploymentConfig) -> Path:
+    """Where this host keeps downloaded exports: its own data folder (the host worker passes its
+    FATHOM_DATA_DIR on to what it starts), else the deployment's folder."""
+    data_dir = os.environ.get("FATHOM_DATA_DIR")
+    return Path(data_dir) / "cache" if data_dir else Path(config.state_dir) / "cache"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run one deployment's vLLM replicas until SIGTERM.")
     parser.add_argument("--config", required=True, help="the deployment's config file (DeploymentConfig as JSON)")
     args = parser.parse_args(argv)
     config = DeploymentConfig.from_dict(json.loads(Path(args.config).read_text()))
-    asyncio.run(_serve(config))
+    try:
+        served = export_store.local_copy(config.checkpoint, export_cache_root(config))
+    except export_store.ExportStoreError as exc:
+        raise SystemExit(f"fathom: deployment {config.name}: {exc}") from None
+    asyncio.run(_serve(dataclasses.replace(config, checkpoint=served)))
 
 
 if __name__ == "__main__":

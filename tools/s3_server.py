@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # moto starts in about a second; on a loaded 2-core host it was seen to take several.
@@ -23,9 +23,9 @@ _START_TIMEOUT_S = 60.0
 _ADMIN_POLICY = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -33,14 +33,19 @@ def _free_port() -> int:
 class S3Server:
     log_file: Path
     bucket: str = "fathom"
-    port: int = field(default_factory=_free_port)
+    # Loopback by default; a bridge address where other network namespaces must reach it.
+    host: str = "127.0.0.1"
+    port: int = 0
     access_key: str = ""
     secret_key: str = ""
     process: subprocess.Popen[bytes] | None = None
 
+    def __post_init__(self) -> None:
+        self.port = self.port or _free_port(self.host)
+
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def env(self, *, access_key: str | None = None, secret_key: str | None = None) -> dict[str, str]:
         """The variables s3fs reads; other keys than the server's own to test a refusal."""
@@ -57,7 +62,7 @@ class S3Server:
     def start(self) -> None:
         with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"},

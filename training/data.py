@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from training.config import DataConfig
 from training.demo import corpus as demo_corpus
+from training.storage import fetch_dataset, local_root
 
 END_OF_TEXT = "<|endoftext|>"  # separates documents; also eos and padding
 IM_START = "<|im_start|>"
@@ -152,12 +153,26 @@ def _sha256(*paths: Path) -> str:
     return digest.hexdigest()
 
 
+def dataset_cache_root(work_dir: Path) -> Path:
+    """Where this host keeps datasets downloaded from object storage: its own data folder (the
+    host worker passes FATHOM_DATA_DIR on to agents and ranks), else the run's data folder."""
+    data_dir = os.environ.get("FATHOM_DATA_DIR")
+    return Path(data_dir) / "cache" if data_dir else work_dir / "cache"
+
+
+def _local_dataset(dataset: str, work_dir: Path) -> Path:
+    """A dataset on object storage is read from this host's checked copy; a file, where it is."""
+    if local_root(dataset) is None:
+        return fetch_dataset(dataset, dataset_cache_root(work_dir))
+    return Path(dataset)
+
+
 def prepare_data(cfg: DataConfig, vocab_size: int, seq_len: int, work_dir: Path) -> PreparedData:
     """Makes sure `work_dir` holds the tokenizer and the token file; safe to call from every rank."""
     work_dir.mkdir(parents=True, exist_ok=True)
     with (work_dir / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        dataset = Path(cfg.dataset) if cfg.dataset else demo_corpus.write(work_dir / "demo.txt")
+        dataset = _local_dataset(cfg.dataset, work_dir) if cfg.dataset else demo_corpus.write(work_dir / "demo.txt")
         tokenizer_dir = work_dir / "tokenizer"
         if cfg.tokenizer:
             given = Path(cfg.tokenizer)

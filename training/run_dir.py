@@ -29,6 +29,9 @@
                                     the checkpoints, when the run's `data.storage` names object
                                     storage (`training.checkpoint_storage`): the same files, written
                                     in place (object storage has no rename), COMMITTED last
+    <storage URL>/runs/<run folder name>/exports/step_<NNNNNNNN>/
+                                    the export of a checkpoint on object storage
+                                    (`serving.export_store`): its files, fathom-export.json last
 
     /dev/shm/fathom-<hash of RUN_DIR>/  (or $FATHOM_SNAPSHOT_ROOT) each rank's in-memory snapshots
         rank<R>-slot<S>.bin             on this host (training.memory_snapshot), for as long as the agent lives
@@ -79,6 +82,12 @@ def storage_checkpoints_url(storage: str, run_folder_name: str) -> str:
     storage root as under FATHOM_DATA_DIR, so the default `file://$FATHOM_DATA_DIR` names the run
     folder's own checkpoints folder."""
     return "/".join([storage.rstrip("/"), "runs", run_folder_name, "checkpoints"])
+
+
+def storage_export_url(storage: str, run_folder_name: str, step: int) -> str:
+    """Where the export of a run's checkpoint of `step` is kept on object storage
+    (`serving.export_store`: the Hugging Face files, its manifest last)."""
+    return "/".join([storage.rstrip("/"), "runs", run_folder_name, "exports", _step_folder(step)])
 
 
 def step_of(path: PurePath) -> int | None:

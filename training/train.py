@@ -29,6 +29,7 @@ from training.hooks import build_hooks
 from training.rank_environment import EVENTS_FILE, NON_RETRYABLE_EXIT, ErrorClass, RankEnvironment, RankError
 from training.rank_events import EventLog
 from training.run_dir import RunDir
+from training.storage import StorageError
 from training.trainer import Trainer
 
 # Gloo's default is 30 minutes: a rank stuck in a collective would hold the whole job that long
@@ -50,7 +51,9 @@ class NonRetryable(Exception):
 # What reading a corpus raises when the file itself is wrong: missing, unreadable, not a
 # .txt/.jsonl, not UTF-8, a JSON line without text (ValueError covers the decode errors).
 # Other OSErrors (a full disk, a network file system that hiccups) may pass on a restart.
-_DATA_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+# A dataset object storage refuses or that does not match its checksum (StorageError names the
+# object and why) fails the run at once: botocore has already retried what was transient.
+_DATA_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, StorageError)
 
 
 def check_tokenizer(spec: RunSpec) -> None:

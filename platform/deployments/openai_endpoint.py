@@ -24,6 +24,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.views.decorators.http import require_POST
 
@@ -33,6 +34,7 @@ from deployments.ratelimit import Limiter, limiter_for_settings
 from deployments.usage import USAGE
 from serving.app import Receive, Scope, Send, read_body, send_json, send_response
 from serving.errors import OpenAIError
+from serving.export_store import local_copy
 from serving.gateway import Gateway, deployment_gateway
 from serving.openai_requests import ENDPOINTS, unknown_endpoint
 from serving.router import ProxyResponse, error_response
@@ -79,7 +81,11 @@ class Gateways:
             gateway = self._gateways[key] = deployment_gateway(
                 name=served.model,
                 max_model_len=served.max_model_len,
-                checkpoint=served.export_path,
+                # An export on object storage: its tokenizer, downloaded once per web process
+                # (this blocks the loop once per deployment, for a few small files).
+                checkpoint=local_copy(served.export_path, settings.DATA_DIR / "cache", tokenizer_only=True)
+                if served.export_path
+                else "",
                 state_dir=served.folder,
             )
         return gateway

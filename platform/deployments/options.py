@@ -16,11 +16,14 @@ from typing import Any
 from django.conf import settings
 
 from controlplane.exceptions import InvalidInput
+from runs import exports
 from runs.models import Checkpoint
+from serving import export_store
 from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible
 from training.config import ModelConfig
 from training.hf_format import EXPORT_DTYPE, hf_config
-from training.run_dir import CheckpointDir
+from training.run_dir import CHECKPOINT_SPEC, CheckpointDir
+from training.storage import Storage, local_root
 
 
 def device() -> DeviceInfo:
@@ -29,14 +32,26 @@ def device() -> DeviceInfo:
 
 def export_info(checkpoint: Checkpoint) -> CheckpointInfo:
     """What the checkpoint's Hugging Face export says, or will say once the start task exports it."""
-    if checkpoint.export_path and (Path(checkpoint.export_path) / "config.json").exists():
-        return CheckpointInfo.read(checkpoint.export_path)
-    # The model section of the spec saved in the checkpoint, which is what the export reads.
-    spec_file = CheckpointDir(Path(checkpoint.path)).spec_file
     try:
-        model = ModelConfig(**json.loads(spec_file.read_text())["model"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InvalidInput("checkpoint", f"step {checkpoint.step}: {spec_file} does not say the model: {exc}") from None
+        if exports.is_exported(checkpoint):
+            if export_store.is_remote(checkpoint.export_path):
+                return CheckpointInfo.from_config(export_store.read_config(checkpoint.export_path), checkpoint.export_path)
+            return CheckpointInfo.read(checkpoint.export_path)
+    except export_store.ExportStoreError as exc:
+        raise InvalidInput("checkpoint", f"step {checkpoint.step}: {exc}") from None
+    # The model section of the spec saved in the checkpoint, which is what the export reads.
+    where = checkpoint.path
+    try:
+        if local_root(where) is None:
+            stored = Storage.open(where)
+            where = stored.url_of(CHECKPOINT_SPEC)
+            text = stored.fs.cat_file(stored.path(CHECKPOINT_SPEC)).decode()
+        else:
+            where = str(CheckpointDir(Path(where)).spec_file)
+            text = Path(where).read_text()
+        model = ModelConfig(**json.loads(text)["model"])
+    except Exception as exc:  # a missing file, storage's many errors, or a spec without a model
+        raise InvalidInput("checkpoint", f"step {checkpoint.step}: {where} does not say the model: {exc}") from None
     return CheckpointInfo.from_config(
         hf_config(model, EXPORT_DTYPE, eos=0), checkpoint.run.run_dir.export(checkpoint.step)
     )

@@ -17,8 +17,12 @@ from controlplane.queue import enqueue_on_commit
 from deployments.models import ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
 from hosts.models import DeviceClaim
+from runs import exports
 from runs.models import Checkpoint
+from serving.export_store import ExportStoreError
 from serving.state import replica_log
+from training.checkpoint_storage import is_committed_at
+from training.storage import local_root
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 
@@ -34,11 +38,18 @@ def check_served_model_name(name: str) -> str:
 
 
 def check_checkpoint(checkpoint: Checkpoint) -> None:
-    """A checkpoint can be deployed while its folder is there or its export is."""
-    if checkpoint.export_path and (Path(checkpoint.export_path) / "config.json").exists():
-        return
-    if checkpoint.pruned_at is None and Path(checkpoint.path).exists():
-        return
+    """A checkpoint can be deployed while its folder (or its prefix on object storage) is there
+    or its export is."""
+    try:
+        if exports.is_exported(checkpoint):
+            return
+        on_object_storage = local_root(checkpoint.path) is None
+        if checkpoint.pruned_at is None and (
+            is_committed_at(checkpoint.path) if on_object_storage else Path(checkpoint.path).exists()
+        ):
+            return
+    except (ExportStoreError, OSError) as exc:
+        raise InvalidInput("checkpoint", f"step {checkpoint.step} cannot be read from storage: {exc}") from None
     kept = list(
         Checkpoint.objects.filter(run_id=checkpoint.run_id, pruned_at__isnull=True)
         .exclude(pk=checkpoint.pk)

@@ -35,7 +35,7 @@ from serving.supervisor import DeploymentConfig, launch_detached, request_stop
 SCRAPE_TIMEOUT_SECONDS = 1.5
 
 
-def config_for(deployment: Deployment, export_path: Path, group: scheduling.ReplicaGroup | None = None) -> DeploymentConfig:
+def config_for(deployment: Deployment, export_path: str, group: scheduling.ReplicaGroup | None = None) -> DeploymentConfig:
     """The supervisor's config: on this machine (all replicas), or for the replicas `group` puts
     on one host (at its address), with the options the deployment stored resolved at create."""
     options = stored_options(deployment.options)
@@ -85,7 +85,7 @@ def start(deployment: Deployment) -> int | None:
     return launch_detached(config, python=sys.executable)
 
 
-def _start_on_hosts(deployment: Deployment, export_path: Path) -> None:
+def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
     options = stored_options(deployment.options)
     kind = "gpu" if options.device == "cuda" else "cpu"
     placement = scheduling.place_deployment(deployment.pk, deployment.replicas, kind, options.tensor_parallel_size)

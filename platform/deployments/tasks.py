@@ -8,6 +8,7 @@ from controlplane.processes import is_alive
 from deployments import services, supervision
 from deployments.models import Deployment
 from hosts.models import Host
+from serving.state import DeploymentDir
 
 # Deployments whose supervisor should be running.
 SUPERVISED = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
@@ -63,8 +64,20 @@ def reconcile_deployments() -> int:
         failed += fail(deployment, "its host was lost")
     for deployment in Deployment.objects.filter(status__in=SUPERVISED, supervisor_pid__isnull=False):
         if deployment.supervisor_pid is not None and not is_alive(deployment.supervisor_pid):
-            failed += fail(deployment, "the replica supervisor exited")
+            said = supervisor_last_words(deployment)
+            failed += fail(deployment, f"the replica supervisor exited: {said}" if said else "the replica supervisor exited")
     return failed
+
+
+def supervisor_last_words(deployment: Deployment) -> str:
+    """What the supervisor said as it gave up (its `fathom: ` line: an export it could not
+    download names the object and why), from its log; empty if it said nothing."""
+    try:
+        lines = DeploymentDir(deployment.folder).supervisor_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = [line.split("fathom: ", 1)[1] for line in lines if line.startswith("fathom: ")]
+    return said[-1] if said else ""
 
 
 @shared_task

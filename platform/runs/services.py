@@ -14,6 +14,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,7 +36,7 @@ from runs import launcher
 from runs.models import Checkpoint, Dataset, Run, RunEvent
 from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
-from training.storage import StorageError, check_storage, local_root
+from training.storage import Storage, StorageError, check_storage, dataset_url, failure_reason, local_root
 
 CONTROL_SOURCE = "control"
 
@@ -95,7 +96,15 @@ def check_run_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | 
     that the objects still hold what a rank needs, so a missing file is a 400 now rather than a
     failed run later.
     """
-    if dataset is not None:
+    if dataset is not None and local_root(dataset.path) is None:
+        try:
+            stored = Storage.open(dataset.path)
+            present = stored.fs.exists(stored.root)
+        except Exception as exc:  # storage's many errors: say which object and why
+            raise InvalidInput("dataset", f"dataset {dataset.pk} ({dataset.name}) at {dataset.path} cannot be read: {failure_reason(exc)}") from None
+        if not present:
+            raise InvalidInput("dataset", f"the object of dataset {dataset.pk} ({dataset.name}), {dataset.path}, is gone; upload it again")
+    elif dataset is not None:
         path = Path(dataset.path)
         try:
             size = path.stat().st_size
@@ -225,15 +234,28 @@ def do_create_dataset(
         target = check_dataset_path(path)
         fmt = dataset_format(target.name)
         records, sha = _scan_dataset(target, fmt)
+    size = target.stat().st_size
+    where = str(target)
+    if run_storage() and local_root(run_storage()) is None:
+        where = _store_dataset(target, sha, removes_local=upload is not None)
     return Dataset.objects.create(
-        owner=owner,
-        name=name or target.name,
-        format=fmt,
-        path=str(target),
-        size_bytes=target.stat().st_size,
-        records=records,
-        sha256=sha,
+        owner=owner, name=name or target.name, format=fmt, path=where, size_bytes=size, records=records, sha256=sha
     )
+
+
+def _store_dataset(target: Path, sha: str, *, removes_local: bool) -> str:
+    """Puts a checked dataset on object storage, named by its checksum, where every host's ranks
+    read it; an upload's local copy is dropped (an administrator's server file stays)."""
+    url = dataset_url(run_storage(), sha, target.name)
+    try:
+        stored = Storage.open(url)
+        stored.fs.put_file(str(target), stored.root)
+    except Exception as exc:  # s3fs and botocore raise many types; the object and reason are what users need
+        raise InvalidInput("file", f"could not be stored at {url}: {failure_reason(exc)}") from None
+    finally:
+        if removes_local:
+            shutil.rmtree(target.parent, ignore_errors=True)
+    return url
 
 
 # --- Runs ------------------------------------------------------------------------------------

@@ -11,8 +11,10 @@ namespaces, the bridge and every process in them are removed at the end, also on
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -49,6 +51,15 @@ class Cluster:
 @pytest.fixture
 def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator[Cluster]:
     """Two namespace hosts with two CPU slots each, joined to a control plane on the bridge."""
+    with running_cluster(network, alice, tmp_path, monkeypatch) as running:
+        yield running
+
+
+@contextmanager
+def running_cluster(
+    network: Network, alice, tmp_path: Path, monkeypatch, host_env: Callable[[int], dict[str, str]] = lambda i: {}
+) -> Iterator[Cluster]:
+    """The `cluster` fixture's cluster; `host_env(index)` adds to a host worker's environment."""
     bridge = network.bridge_address
     redis_port, web_port = free_port(), free_port()
     url = f"http://{bridge}:{web_port}"
@@ -79,7 +90,7 @@ def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator
             namespace = network.add_namespace()
             host = HostWorker(
                 f"h{index}", tmp_path / f"host{index}.log", url, TOKEN, cpu_slots=2,
-                prefix=["ip", "netns", "exec", namespace],
+                prefix=["ip", "netns", "exec", namespace], **host_env(index),
             )  # fmt: skip
             host.start()
             stoppers.append(host.stop)

@@ -17,6 +17,7 @@ MODULES = [
     "serving.metrics",
     "serving.app",
     "serving.tiny_checkpoint",
+    "serving.export_store",
 ]
 
 

@@ -48,7 +48,11 @@ def test_the_ranks_code_never_imports_the_agent_or_the_planner() -> None:
 
 
 def test_the_agent_takes_from_the_root_only_the_contracts_it_shares_with_the_ranks() -> None:
-    shared = ("training.agent", "training.config", "training.run_dir", "training.rank_environment", "training.heartbeat")
+    shared = (
+        "training.agent", "training.config", "training.run_dir", "training.rank_environment", "training.heartbeat",
+        # Torch-free: where the run's checkpoints are, read as the checkpointer reads them.
+        "training.checkpoint_storage", "training.storage",
+    )  # fmt: skip
     assert offending("training/agent", shared, ("training",)) == {}
 
 
