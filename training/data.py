@@ -144,14 +144,16 @@ def iter_documents(path: Path) -> Iterator[str]:
 
 
 def trained_token_mask(doc: Document, offsets: list[tuple[int, int]]) -> np.ndarray:
-    """1 for each token (by its character `offsets`) that lies inside one of the document's
-    trained spans, 0 elsewhere; all ones for a document without spans."""
+    """1 for each token (by its character `offsets`) that ends inside one of the document's
+    trained spans, 0 elsewhere; all ones for a document without spans. Ends, not lies: byte-level
+    BPE joins a word to the space before it, which may be the prompt's last character
+    ("assistant: " then " Rome")."""
     mask = np.ones(len(offsets), dtype=np.uint8)
     if doc.trained_spans is None:
         return mask
     mask[:] = 0
-    for i, (start, end) in enumerate(offsets):
-        if any(lo <= start and end <= hi for lo, hi in doc.trained_spans):
+    for i, (_, end) in enumerate(offsets):
+        if any(lo < end <= hi for lo, hi in doc.trained_spans):
             mask[i] = 1
     return mask
 
