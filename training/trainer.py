@@ -223,8 +223,8 @@ class Trainer:
         # The schedule's loss function gives each micro-batch's mean over its counted targets
         # times loss_scale; undo both to sum over tokens, so every layout weighs tokens alike.
         counts = [(t != IGNORE_INDEX).sum().clamp(min=1) for t in targets.tensor_split(self.spec.layout.microbatches)]
-        loss_sum = sum((loss.double() / self.loss_scale * c for loss, c in zip(losses, counts, strict=True)))
-        return torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64), counted])
+        loss_sum = torch.stack([loss.double() / self.loss_scale * c for loss, c in zip(losses, counts, strict=True)]).sum()
+        return torch.stack([loss_sum, counted])
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -254,7 +254,12 @@ class Trainer:
                 totals.zero_()  # tp ranks hold the same sums: count them once
             dist.all_reduce(totals)
         loss = (totals[0] / totals[1].clamp(min=1)).item()
-        result = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": int(totals[1].item())}
+        result = {
+            "step": step,
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 80.0)),  # capped: an untrained model's exp overflows floats
+            "eval_tokens": int(totals[1].item()),
+        }
         if self.rank == 0:
             self._eval_losses[step] = loss
             if self.events is not None:
