@@ -590,8 +590,8 @@ CHECKPOINT_ORDERINGS = ("step", "-step", "eval_loss", "-eval_loss", "created_at"
 
 
 def order_checkpoints(checkpoints: QuerySet[Checkpoint], ordering: str | None) -> QuerySet[Checkpoint]:
-    """`checkpoints` in the order `?ordering=` names; None or empty: the model's order (run, step)."""
-    if not ordering:
+    """`checkpoints` in the order `?ordering=` names; None (no parameter): the model's order (run, step)."""
+    if ordering is None:
         return checkpoints
     if ordering not in CHECKPOINT_ORDERINGS:
         raise InvalidInput("ordering", f"must be one of {', '.join(CHECKPOINT_ORDERINGS)}; got {ordering!r}")

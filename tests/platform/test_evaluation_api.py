@@ -71,11 +71,13 @@ def test_checkpoints_keep_their_eval_loss_and_sort_by_it_best_first(client, alic
     assert [c["step"] for c in worst_first] == [10, 30, 20, 25]
 
 
-def test_an_unknown_checkpoint_ordering_is_refused_naming_the_allowed_ones(alice_api, run):
-    response = alice_api.get(f"/api/runs/{run.pk}/checkpoints/", {"ordering": "path"})
-    assert response.status_code == 400
-    message = json.dumps(response.json())
-    assert "ordering" in message and "eval_loss" in message
+@pytest.mark.parametrize("ordering", ["path", ""])
+def test_an_unknown_checkpoint_ordering_is_refused_naming_the_allowed_ones(alice_api, run, ordering):
+    for url in (f"/api/runs/{run.pk}/checkpoints/", "/api/checkpoints/"):
+        response = alice_api.get(url, {"ordering": ordering})
+        assert response.status_code == 400
+        message = json.dumps(response.json())
+        assert "ordering" in message and "eval_loss" in message
 
 
 def test_an_eval_interval_without_held_out_data_is_refused_naming_the_field(alice_api):
