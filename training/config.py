@@ -170,9 +170,21 @@ class TrainConfig:
     # own (training/memory_snapshot.py): a rank restarted on a host that survived resumes from
     # there, losing a fraction of a second of work instead of half a checkpoint interval.
     memory_snapshots: bool = True
+    # Steps between evaluations on the held-out data (data.validation_fraction or
+    # data.validation_dataset); 0: never. The last step is always evaluated when this is set,
+    # so the final checkpoint carries an eval loss.
+    eval_interval: int = 0
+    # Global batches of held-out sequences per evaluation: the same sequences every time, so
+    # evaluations compare across steps, restarts and layouts.
+    eval_batches: int = 4
 
     def __post_init__(self) -> None:
-        _positive("train", self, "steps", "global_batch", "grad_accum", "keep_checkpoints")
+        _positive("train", self, "steps", "global_batch", "grad_accum", "keep_checkpoints", "eval_batches")
+        _require(
+            isinstance(self.eval_interval, int) and not isinstance(self.eval_interval, bool) and self.eval_interval >= 0,
+            "train.eval_interval",
+            f"must be a whole number of steps ≥ 0 (0: no evaluation); got {self.eval_interval!r}",
+        )
         _require(
             isinstance(self.checkpoint_interval, int) and self.checkpoint_interval >= 0,
             "train.checkpoint_interval",
@@ -228,6 +240,35 @@ class DataConfig:
     # control plane at submit when it is not the run folder's own file system: `s3://bucket/prefix`
     # (training.checkpoint_storage). Empty: the run folder.
     storage: str = ""
+    # Held-out data for evaluation (train.eval_interval), one of two kinds: a second .txt or
+    # .jsonl file, tokenized with the run's tokenizer (filled in by the control plane from a
+    # dataset the owner chose, like `dataset`), or this share of the dataset's sequences, the
+    # last ones of the token file, which training then never reads.
+    validation_dataset: str = ""
+    validation_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.validation_fraction, (int, float))
+            and not isinstance(self.validation_fraction, bool)
+            and 0 <= self.validation_fraction <= MAX_VALIDATION_FRACTION,
+            "data.validation_fraction",
+            f"must be between 0 and {MAX_VALIDATION_FRACTION} (a share of the dataset's sequences); "
+            f"got {self.validation_fraction!r}",
+        )
+        _require(
+            not (self.validation_dataset and self.validation_fraction > 0),
+            "data.validation_fraction",
+            f"must be 0 when data.validation_dataset is given (one held-out source); got {self.validation_fraction}",
+        )
+
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.validation_dataset) or self.validation_fraction > 0
+
+
+# Holding out more than half the data would leave less to train on than to measure with.
+MAX_VALIDATION_FRACTION = 0.5
 
 
 @dataclass(kw_only=True)
@@ -315,6 +356,18 @@ class RunSpec:
                 "nodes.min",
                 f"the survivors ({n.min} nodes × {nproc} ranks) must still hold whole tp·pp groups "
                 f"of {lay.tp * lay.pp} ranks",
+            )
+        if t.eval_interval > 0:
+            _require(
+                self.data.has_validation,
+                "train.eval_interval",
+                f"needs held-out data: set data.validation_fraction (0 < f ≤ {MAX_VALIDATION_FRACTION}) or "
+                f"choose a validation dataset; got eval_interval={t.eval_interval} and neither",
+            )
+            _require(
+                t.eval_interval <= t.steps,
+                "train.eval_interval",
+                f"must be ≤ train.steps={t.steps} (0: no evaluation); got {t.eval_interval}",
             )
         for i, fault in enumerate(self.faults):
             _require(

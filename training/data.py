@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from training.config import DataConfig
 from training.demo import corpus as demo_corpus
+from training.model import IGNORE_INDEX
 from training.storage import fetch_dataset, local_root
 
 END_OF_TEXT = "<|endoftext|>"  # separates documents; also eos and padding
@@ -51,13 +52,63 @@ _ENCODE_BATCH = 2048  # documents per encode_batch call: large enough to keep to
 # --- Documents ------------------------------------------------------------------------------
 
 
-def render_chat(messages: list[dict[str, str]]) -> str:
-    """The text CHAT_TEMPLATE renders for `messages`, for training on chat-shaped data."""
-    return "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+@dataclass(frozen=True)
+class Document:
+    """A document's text and, for a chat, the character spans the loss counts (the assistant's
+    turns); None: every token counts."""
+
+    text: str
+    trained_spans: tuple[tuple[int, int], ...] | None = None
 
 
-def iter_documents(path: Path) -> Iterator[str]:
-    """Documents of a .txt file (blank-line separated) or a .jsonl file ("text" or "messages")."""
+class ChatTemplate:
+    """A tokenizer's Jinja chat template, rendered as transformers and vLLM render it (jinja2's
+    sandbox: a template is data that came with a tokenizer), so the text a model is fine-tuned
+    on is the text /v1/chat/completions later builds from the same messages."""
+
+    def __init__(self, source: str = CHAT_TEMPLATE) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        self.source = source
+        self._template = env.from_string(source)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token="",
+            eos_token=END_OF_TEXT,
+        )
+
+    def document(self, messages: list[dict[str, str]]) -> Document:
+        """The rendered chat with the spans of its assistant turns.
+
+        A turn's span is what rendering it adds after the prompt that asks for it
+        (`add_generation_prompt`): the reply and whatever the template closes it with
+        (<|im_end|> in ChatML), so the model learns to end its turn. That holds for any template
+        whose rendering of a conversation extends the rendering of its prefix, as chat templates
+        do for generation to work at all.
+        """
+        text = self.render(messages)
+        spans: list[tuple[int, int]] = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not (upto.startswith(prompt) and text.startswith(upto)):
+                raise ValueError(
+                    "the chat template does not render a conversation as its prefix followed by the "
+                    "reply; assistant turns cannot be told apart from the prompt"
+                )
+            spans.append((len(prompt), len(upto)))
+        return Document(text, tuple(spans))
+
+
+def iter_rows(path: Path, template: ChatTemplate | None = None) -> Iterator[Document]:
+    """Documents of a .txt file (blank-line separated) or a .jsonl file ("text" or "messages");
+    chats are rendered with `template` (default: Fathom's ChatML) and carry their assistant spans."""
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -65,16 +116,47 @@ def iter_documents(path: Path) -> Iterator[str]:
                     continue
                 row = json.loads(line)
                 if "text" in row:
-                    yield str(row["text"])
+                    yield Document(str(row["text"]))
                 elif "messages" in row:
-                    yield render_chat(row["messages"])
+                    messages = row["messages"]
+                    if not isinstance(messages, list) or not all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in messages
+                    ):
+                        raise ValueError(f"{path}:{number}: 'messages' must be a list of {{role, content}} strings")
+                    if template is None:
+                        template = ChatTemplate()
+                    try:
+                        yield template.document(messages)
+                    except ValueError as exc:
+                        raise ValueError(f"{path}:{number}: {exc}") from None
                 else:
                     raise ValueError(f"{path}:{number}: a row needs a 'text' or 'messages' field; got {sorted(row)}")
     elif path.suffix == ".txt":
         text = path.read_text(encoding="utf-8")
-        yield from (doc for doc in text.split("\n\n") if doc.strip())
+        yield from (Document(doc) for doc in text.split("\n\n") if doc.strip())
     else:
         raise ValueError(f"{path}: the dataset must be a .txt or .jsonl file")
+
+
+def iter_documents(path: Path) -> Iterator[str]:
+    """The texts of `iter_rows`, for training a tokenizer."""
+    return (doc.text for doc in iter_rows(path))
+
+
+def trained_token_mask(doc: Document, offsets: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token (by its character `offsets`) that ends inside one of the document's
+    trained spans, 0 elsewhere; all ones for a document without spans. Ends, not lies: byte-level
+    BPE joins a word to the space before it, which may be the prompt's last character
+    ("assistant: " then " Rome")."""
+    mask = np.ones(len(offsets), dtype=np.uint8)
+    if doc.trained_spans is None:
+        return mask
+    mask[:] = 0
+    for i, (_, end) in enumerate(offsets):
+        if any(lo < end <= hi for lo, hi in doc.trained_spans):
+            mask[i] = 1
+    return mask
 
 
 # --- Tokenizer ------------------------------------------------------------------------------
@@ -139,9 +221,21 @@ class PreparedData:
     tokenizer_dir: Path  # holds TOKENIZER_FILES
     tokens_path: Path  # flat token ids, documents separated by END_OF_TEXT
     dtype: str  # "uint16" or "uint32"
+    validation_tokens_path: Path | None = None  # data.validation_dataset's token file, if one was given
 
     def tokens(self) -> np.memmap:
         return np.memmap(self.tokens_path, dtype=self.dtype, mode="r")
+
+    def windows(self, seq_len: int, validation: bool = False) -> TokenWindows:
+        """Windows over the dataset's token file (or the validation dataset's), with its loss mask."""
+        path = self.validation_tokens_path if validation else self.tokens_path
+        assert path is not None, "no validation dataset was prepared"
+        mask = mask_path_of(path)
+        return TokenWindows(
+            np.memmap(path, dtype=self.dtype, mode="r"),
+            seq_len,
+            mask=np.memmap(mask, dtype=np.uint8, mode="r") if mask.exists() else None,
+        )
 
 
 def _sha256(*paths: Path) -> str:
@@ -182,6 +276,7 @@ def prepare_data(cfg: DataConfig, vocab_size: int, seq_len: int, work_dir: Path)
             ):
                 if (given_dir / "tokenizer_config.json").exists():
                     copy_tokenizer(given_dir, tokenizer_dir)
+                    _keep_chat_template(tokenizer_dir)
                 else:  # a bare tokenizer.json: add the config files Fathom's exports need
                     save_tokenizer(Tokenizer.from_file(str(given_dir / "tokenizer.json")), tokenizer_dir, seq_len)
         elif not (tokenizer_dir / "tokenizer_config.json").exists():
@@ -192,27 +287,83 @@ def prepare_data(cfg: DataConfig, vocab_size: int, seq_len: int, work_dir: Path)
                 f"the tokenizer has {tokenizer.get_vocab_size()} tokens but model.vocab_size is {vocab_size}"
             )
         dtype = "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "uint32"
-        key = _sha256(dataset, tokenizer_dir / "tokenizer.json")[:16]
-        tokens_path = work_dir / f"tokens-{key}.{dtype}"
-        if not tokens_path.exists():
-            _tokenize(dataset, tokenizer, tokens_path, dtype)
-    return PreparedData(tokenizer_dir=tokenizer_dir, tokens_path=tokens_path, dtype=dtype)
+        template = chat_template_of(tokenizer_dir)
+        tokens_path = _tokenized(dataset, tokenizer, tokenizer_dir, template, work_dir, dtype)
+        validation_path = None
+        if cfg.validation_dataset:
+            validation_path = _tokenized(
+                _local_dataset(cfg.validation_dataset, work_dir), tokenizer, tokenizer_dir, template, work_dir, dtype
+            )
+    return PreparedData(
+        tokenizer_dir=tokenizer_dir, tokens_path=tokens_path, dtype=dtype, validation_tokens_path=validation_path
+    )
 
 
-def _tokenize(dataset: Path, tokenizer: Tokenizer, out: Path, dtype: str) -> None:
+def chat_template_of(tokenizer_dir: Path) -> ChatTemplate:
+    """The template chats are rendered with: the tokenizer's own (`_keep_chat_template` made sure
+    there is one), which the export copies, so serving renders chats as training did."""
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    return ChatTemplate(config.get("chat_template") or CHAT_TEMPLATE)
+
+
+def _keep_chat_template(tokenizer_dir: Path) -> None:
+    """Gives a copied tokenizer config without a chat template Fathom's: chats train in it and
+    the export, which copies this file, then serves them in it too."""
+    path = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if not config.get("chat_template"):
+        config["chat_template"] = CHAT_TEMPLATE
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _tokenized(
+    dataset: Path, tokenizer: Tokenizer, tokenizer_dir: Path, template: ChatTemplate, work_dir: Path, dtype: str
+) -> Path:
+    """The token file of `dataset` under `work_dir`, tokenized now unless it already is."""
+    key = hashlib.sha256(
+        (_sha256(dataset, tokenizer_dir / "tokenizer.json") + template.source).encode()
+    ).hexdigest()[:16]
+    tokens_path = work_dir / f"tokens-{key}.{dtype}"
+    if not tokens_path.exists():
+        _tokenize(dataset, tokenizer, template, tokens_path, dtype)
+    return tokens_path
+
+
+def mask_path_of(tokens_path: Path) -> Path:
+    """Where the loss mask of a token file is, when its corpus has chats (one byte per token)."""
+    return tokens_path.with_suffix(".mask")
+
+
+def _tokenize(dataset: Path, tokenizer: Tokenizer, template: ChatTemplate, out: Path, dtype: str) -> None:
+    """Writes the token file and, when some tokens do not count in the loss (chat prompts), the
+    mask beside it; the mask is renamed into place first, so a token file never lacks its mask."""
     eot = tokenizer.token_to_id(END_OF_TEXT)
     tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("wb") as f:
-        batch: list[str] = []
-        for doc in [*iter_documents(dataset), None]:
+    mask_out = mask_path_of(out)
+    mask_tmp = mask_out.with_name(mask_out.name + ".tmp")
+    masked = False
+    with tmp.open("wb") as f, mask_tmp.open("wb") as m:
+        batch: list[Document] = []
+        for doc in [*iter_rows(dataset, template), None]:
             if doc is not None:
                 batch.append(doc)
             if batch and (doc is None or len(batch) == _ENCODE_BATCH):
-                for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+                encodings = tokenizer.encode_batch([d.text for d in batch], add_special_tokens=False)
+                for document, encoding in zip(batch, encodings, strict=True):
                     np.asarray([*encoding.ids, eot], dtype=dtype).tofile(f)
+                    mask = trained_token_mask(document, encoding.offsets)
+                    # The separator counts when the document's last token does: a chat's last
+                    # reply is followed by it, a prompt left without a reply is not.
+                    np.append(mask, mask[-1] if len(mask) else 0).astype(np.uint8).tofile(m)
+                    masked = masked or document.trained_spans is not None
                 batch = []
-        f.flush()
-        os.fsync(f.fileno())
+        for handle in (f, m):
+            handle.flush()
+            os.fsync(handle.fileno())
+    if masked:
+        mask_tmp.replace(mask_out)
+    else:
+        mask_tmp.unlink()
     tmp.replace(out)  # readers never see a half-written token file
 
 
@@ -220,20 +371,43 @@ def _tokenize(dataset: Path, tokenizer: Tokenizer, out: Path, dtype: str) -> Non
 
 
 class TokenWindows:
-    """Sample i is tokens[i·seq_len : i·seq_len + seq_len + 1]: inputs and next-token targets."""
+    """Sample i is tokens[i·seq_len : i·seq_len + seq_len + 1]: inputs and next-token targets.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    With a `mask` (one byte per token), a target whose token is masked out is IGNORE_INDEX: the
+    loss skips it (a chat's prompt tokens)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, mask: np.ndarray | None = None) -> None:
         self.tokens = tokens
+        self.mask = mask
         self.seq_len = seq_len
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
 
+    def split(self, fraction: float) -> tuple[TokenWindows, TokenWindows]:
+        """(training, held-out) windows: the last `fraction` of the samples (at least one) held out."""
+        held = max(1, int(self.num_samples * fraction))
+        if held >= self.num_samples:
+            raise ValueError(
+                f"holding out {fraction} of {self.num_samples} sequences leaves none to train on; "
+                "lower data.validation_fraction or give a larger dataset"
+            )
+        cut = (self.num_samples - held) * self.seq_len
+        # The training part ends on the held-out part's first token (the last target it reads).
+        train = TokenWindows(self.tokens[: cut + 1], self.seq_len, None if self.mask is None else self.mask[: cut + 1])
+        rest = TokenWindows(self.tokens[cut:], self.seq_len, None if self.mask is None else self.mask[cut:])
+        return train, rest
+
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (len(indices), seq_len) int64."""
-        rows = np.stack([self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1] for i in indices])
+        span = self.seq_len + 1
+        rows = np.stack([self.tokens[i * self.seq_len : i * self.seq_len + span] for i in indices])
         rows_t = torch.from_numpy(rows.astype(np.int64))
-        return rows_t[:, :-1], rows_t[:, 1:]
+        inputs, targets = rows_t[:, :-1], rows_t[:, 1:]
+        if self.mask is not None:
+            mask = np.stack([self.mask[i * self.seq_len + 1 : i * self.seq_len + span] for i in indices])
+            targets = targets.masked_fill(torch.from_numpy(mask == 0), IGNORE_INDEX)
+        return inputs, targets
 
 
 class ShardedSampler:

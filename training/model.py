@@ -152,6 +152,20 @@ class Transformer(nn.Module):
         return h
 
 
+# A target that does not count in the loss (a chat's prompt tokens); F.cross_entropy's default.
+IGNORE_INDEX = -100
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss over the targets that count; fp32 for a stable softmax."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; logits (B, T, vocab), targets (B, T). fp32 for a stable softmax."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Mean next-token loss over the targets that count; logits (B, T, vocab), targets (B, T).
+
+    A batch in which no target counts (all prompt) has loss 0, not NaN: it adds no gradient."""
+    counted = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    return token_loss_sum(logits, targets) / counted

@@ -4,7 +4,9 @@ Event contract (one JSON object per line, appended and flushed line by line):
 
     {"kind": "metrics", "time": t, "step": n, "loss": f, "lr": f, "grad_norm": f,
      "tokens_per_s": f, "mfu": f, "step_time": f, "memory_mb": f}
-    {"kind": "checkpoint", "time": t, "step": n, "path": "<committed checkpoint dir>"}
+    {"kind": "eval", "time": t, "step": n, "eval_loss": f, "eval_perplexity": f, "eval_tokens": n}
+    {"kind": "checkpoint", "time": t, "step": n, "path": "<committed checkpoint dir>", "eval_loss": f}
+        # eval_loss only when the step was evaluated (train.eval_interval)
     {"kind": "resumed", "time": t, "step": n, "path": "<its checkpoint dir>"}  # started from step n
     {"kind": "finished", "time": t, "step": n}
 

@@ -89,6 +89,11 @@ def prepare_checked(spec: RunSpec, run_dir: Path) -> PreparedData:
             f"data.dataset {name}: holds {tokens} tokens, fewer than one sequence of model.seq_len + 1 = "
             f"{spec.model.seq_len + 1}",
         )
+    if spec.data.validation_fraction > 0:
+        try:
+            data.windows(spec.model.seq_len).split(spec.data.validation_fraction)
+        except ValueError as exc:
+            raise NonRetryable("data", f"data.validation_fraction: {exc}") from exc
     return data
 
 

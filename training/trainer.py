@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -28,7 +29,7 @@ from training.device import CPU, ComputeDevice, device_peak_memory_mb, host_cach
 from training.hooks import TrainHook
 from training.memory_snapshot import MemorySnapshots
 from training.metrics import mfu, step_line
-from training.model import Transformer, cross_entropy_loss
+from training.model import IGNORE_INDEX, Transformer, cross_entropy_loss, token_loss_sum
 from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
 from training.rank_environment import RankEnvironment
@@ -63,6 +64,17 @@ def say(line: str) -> None:
 
 def _micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
     return cross_entropy_loss(logits, targets) * scale
+
+
+def training_and_held_out(data: PreparedData, spec: RunSpec) -> tuple[TokenWindows, TokenWindows | None]:
+    """The windows training samples from and the held-out windows evaluation reads (None: no
+    held-out data): a second dataset's, or the last `data.validation_fraction` of the dataset's."""
+    windows = data.windows(spec.model.seq_len)
+    if data.validation_tokens_path is not None:
+        return windows, data.windows(spec.model.seq_len, validation=True)
+    if spec.data.validation_fraction > 0:
+        return windows.split(spec.data.validation_fraction)
+    return windows, None
 
 
 class Trainer:
@@ -110,7 +122,8 @@ class Trainer:
         self.optimizers = [build_optimizer(part, spec.train) for part in self.model.parts]
         self.pp_group = self.mesh["pp"].get_group() if self.mesh is not None and self.dims.pp > 1 else None
 
-        self.windows = TokenWindows(data.tokens(), spec.model.seq_len)
+        self.dp_rank = coords["dp"]
+        self.windows, self.eval_windows = training_and_held_out(data, spec)
         self.sampler = ShardedSampler(
             self.windows.num_samples, spec.train.global_batch, coords["dp"], self.dims.dp, spec.train.seed
         )
@@ -145,6 +158,7 @@ class Trainer:
         # The checkpoint policy's plan as an in-memory snapshot kept it, when resume() used one.
         self._resumed_policy: dict[str, Any] | None = None
         self._last_step_end: tuple[int, float] | None = None  # (step, perf_counter) of the last step's end
+        self._eval_losses: dict[int, float] = {}  # rank 0: eval loss by step, for the checkpoint events
 
     # --- One step -----------------------------------------------------------------------------
 
@@ -181,6 +195,81 @@ class Trainer:
         if not m.has_last_stage:
             return torch.zeros((), device=self.device.torch_device)
         return torch.stack(losses).sum().detach()  # each already scaled by loss_scale
+
+    # --- Evaluation ----------------------------------------------------------------------------
+
+    def eval_due(self, step: int) -> bool:
+        interval = self.spec.train.eval_interval
+        return self.eval_windows is not None and interval > 0 and (step % interval == 0 or step == self.spec.train.steps)
+
+    def _eval_pass(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(summed loss, counted targets) of one pass over (inputs, targets) on ranks that hold the
+        last stage; zeros on the others."""
+        m = self.model
+        counted = (targets != IGNORE_INDEX).sum().double()
+        if m.schedule is None:
+            with self._autocast():
+                loss_sum = token_loss_sum(m.parts[0](inputs), targets)
+            return torch.stack([loss_sum.double(), counted])
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            if m.has_first_stage:
+                target = targets if m.has_last_stage else None
+                m.schedule.eval(inputs, target=target, losses=losses, return_outputs=False)
+            elif m.has_last_stage:
+                m.schedule.eval(target=targets, losses=losses, return_outputs=False)
+            else:
+                m.schedule.eval(return_outputs=False)
+        if not m.has_last_stage:
+            return torch.zeros(2, dtype=torch.float64, device=self.device.torch_device)
+        # The schedule's loss function gives each micro-batch's mean over its counted targets
+        # times loss_scale; undo both to sum over tokens, so every layout weighs tokens alike.
+        counts = [(t != IGNORE_INDEX).sum().clamp(min=1) for t in targets.tensor_split(self.spec.layout.microbatches)]
+        loss_sum = torch.stack([loss.double() / self.loss_scale * c for loss, c in zip(losses, counts, strict=True)]).sum()
+        return torch.stack([loss_sum, counted])
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Validation loss and perplexity over `train.eval_batches` fixed global batches of held-out
+        sequences: the same sequences at every evaluation, split over dp like a training batch.
+
+        Every rank takes part (the pipeline and the collectives need all of them); the loss is
+        a sum over tokens divided by their count, so no layout weighs them differently."""
+        assert self.eval_windows is not None
+        cfg = self.spec.train
+        local = cfg.global_batch // self.dims.dp
+        micro = self.shape.micro_batch
+        device = self.device.torch_device
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, counted targets)
+        for batch in range(cfg.eval_batches):
+            first = batch * cfg.global_batch + self.dp_rank * local
+            # A held-out part smaller than the evaluation wraps around: still a fixed set.
+            indices = np.arange(first, first + local) % self.eval_windows.num_samples
+            inputs, targets = self.eval_windows.batch(indices)
+            inputs, targets = inputs.to(device), targets.to(device)
+            for i in range(cfg.grad_accum):
+                chunk = slice(i * micro, (i + 1) * micro)
+                totals += self._eval_pass(inputs[chunk], targets[chunk])
+        if self.distributed:
+            holds_loss = self.model.has_last_stage and self.reports_loss
+            if not holds_loss:
+                totals.zero_()  # tp ranks hold the same sums: count them once
+            dist.all_reduce(totals)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        result = {
+            "step": step,
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 80.0)),  # capped: an untrained model's exp overflows floats
+            "eval_tokens": int(totals[1].item()),
+        }
+        if self.rank == 0:
+            self._eval_losses[step] = loss
+            if self.events is not None:
+                self.events.emit("eval", **result)
+            say(f"eval step {step}: loss {loss:.4f}, perplexity {result['eval_perplexity']:.2f}")
+        return result
+
+    # --- Training ---------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict[str, Any]:
         for hook in self.hooks:
@@ -242,7 +331,9 @@ class Trainer:
     def _on_commit(self, step: int, location: str) -> None:
         say(f"checkpoint step {step} committed at {location}")
         if self.events is not None:
-            self.events.emit("checkpoint", step=step, path=location)
+            # The checkpoint's own evaluation, when one ran at its step: sorts checkpoints by it.
+            evaluated = {"eval_loss": self._eval_losses[step]} if step in self._eval_losses else {}
+            self.events.emit("checkpoint", step=step, path=location, **evaluated)
 
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint's fathom.json keeps beside the tensors (the checkpointer adds the spec)."""
@@ -311,6 +402,8 @@ class Trainer:
         )
         for step in range(done + 1, cfg.steps + 1):
             self.train_step(step)
+            if self.eval_due(step):
+                self.evaluate(step)  # before the save, so its checkpoint event carries the eval loss
             self.checkpointer.poll()
             if snapshots is not None and snapshot_policy.due(step):
                 started = time.perf_counter()

@@ -70,6 +70,16 @@ GROUPS = [
         ],
     ),
     Group(
+        legend="Evaluation",
+        hint="Hold out a share of the dataset (or choose a validation dataset above); the run measures its "
+        "loss on it every interval and at its last step, and each checkpoint keeps that loss.",
+        inputs=[
+            Input(path="spec.data.validation_fraction", label="Validation split (share of the data)", kind="float"),
+            Input(path="spec.train.eval_interval", label="Evaluate every (steps)", hint="0: never"),
+            Input(path="spec.train.eval_batches", label="Evaluation batches"),
+        ],
+    ),
+    Group(
         legend="Nodes",
         hint="The run continues on as few as min nodes after losing some.",
         inputs=[

@@ -55,6 +55,11 @@ class Run(models.Model):
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="tokenizer_reusers",
         help_text="An earlier run of the same owner whose tokenizer this run reuses; empty: trained on the dataset.",
     )  # fmt: skip
+    validation_dataset = models.ForeignKey(
+        Dataset, null=True, blank=True, on_delete=models.PROTECT, related_name="validated_runs",
+        help_text="One of the owner's datasets held out for evaluation (train.eval_interval); "
+        "empty: data.validation_fraction of the dataset, or none.",
+    )  # fmt: skip
     spec = models.JSONField(
         help_text="The run's training.config.RunSpec as plain data, checked and resolved at submit "
         "(data paths filled in from its dataset and tokenizer run)."
@@ -158,6 +163,8 @@ class Checkpoint(models.Model):
     # Set once the trainer pruned the folder (train.keep_checkpoints): the row stays as history,
     # and only its export, if one was made, can still be deployed.
     pruned_at = models.DateTimeField(null=True, blank=True)
+    # The run's held-out loss at this checkpoint's step (train.eval_interval); null: not evaluated.
+    eval_loss = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ["run", "step"]

@@ -56,13 +56,20 @@ class RunSerializer(ModelSerializer):
         allow_null=True,
         help_text="One of your earlier runs (its id) whose tokenizer this run reuses; empty: trained on the dataset.",
     )
+    validation_dataset = serializers.PrimaryKeyRelatedField(
+        queryset=Dataset.objects.none(),
+        required=False,
+        allow_null=True,
+        help_text="One of your datasets (its id) held out for evaluation; empty: spec.data.validation_fraction "
+        "of the dataset, or none.",
+    )
     layout = serializers.CharField(source="layout_label", read_only=True)
     total_steps = serializers.IntegerField(read_only=True)
 
     class Meta:
         model = Run
         fields = [
-            "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "priority", "status", "status_reason", "layout", "step",
+            "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "validation_dataset", "priority", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
             "created_at", "started_at", "finished_at",
         ]
@@ -78,11 +85,14 @@ class RunSerializer(ModelSerializer):
         if request is not None and request.user.is_authenticated:
             # Only the caller's own datasets and runs can be chosen; another user's id reads as unknown.
             fields["dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
+            fields["validation_dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
             fields["tokenizer_run"].queryset = Run.objects.filter(owner=request.user)  # type: ignore[attr-defined]
         return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        attrs["run_spec"] = services.check_spec(attrs.get("spec", {}), attrs.pop("recipe", "tiny"))
+        attrs["run_spec"] = services.check_spec(
+            attrs.get("spec", {}), attrs.pop("recipe", "tiny"), attrs.get("validation_dataset")
+        )
         return attrs
 
     def create(self, validated: dict[str, Any]) -> Run:
@@ -94,6 +104,7 @@ class RunSerializer(ModelSerializer):
             validated.get("dataset"),
             validated.get("tokenizer_run"),
             priority=validated.get("priority", 0),
+            validation_dataset=validated.get("validation_dataset"),
         )
 
 
@@ -106,6 +117,9 @@ class CloneSerializer(serializers.Serializer):
     tokenizer_run = serializers.IntegerField(
         required=False, allow_null=True, help_text="One of your runs (its id) whose tokenizer the clone reuses."
     )
+    validation_dataset = serializers.IntegerField(
+        required=False, allow_null=True, help_text="One of your datasets (its id) held out for evaluation."
+    )
 
 
 class RunEventSerializer(ModelSerializer):
@@ -117,7 +131,7 @@ class RunEventSerializer(ModelSerializer):
 class CheckpointSerializer(ModelSerializer):
     class Meta:
         model = Checkpoint
-        fields = ["id", "run", "step", "path", "export_path", "created_at", "pruned_at"]
+        fields = ["id", "run", "step", "path", "export_path", "eval_loss", "created_at", "pruned_at"]
 
 
 class IngestEventSerializer(serializers.Serializer):

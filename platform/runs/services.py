@@ -22,7 +22,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Max
+from django.db.models import F, Max, QuerySet
 from django.utils import timezone
 from tokenizers import Tokenizer
 
@@ -53,14 +53,18 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def check_spec(spec: dict[str, Any], recipe: str = "tiny") -> RunSpec:
-    """A full RunSpec: the recipe's values, overridden by what the user gave."""
+def check_spec(spec: dict[str, Any], recipe: str = "tiny", validation_dataset: Dataset | None = None) -> RunSpec:
+    """A full RunSpec: the recipe's values, overridden by what the user gave, with the held-out
+    dataset the run chose (its path, as `resolve_data` stores it), so the evaluation settings are
+    checked against the held-out data the run will have."""
     if recipe not in RECIPES:
         raise InvalidInput("recipe", f"must be one of {', '.join(RECIPES)}; got {recipe!r}")
     if not isinstance(spec, dict):
         raise InvalidInput("spec", "must be an object with sections model, layout, train, nodes, faults")
     _refuse_server_paths(spec)
     base = RECIPES[recipe]().to_dict()
+    if validation_dataset is not None:
+        base["data"]["validation_dataset"] = validation_dataset.path
     try:
         return RunSpec.from_dict(deep_merge(base, spec))
     except SpecError as exc:
@@ -73,6 +77,7 @@ _DATA_OBJECT_FOR_PATH = {
     "dataset": 'choose one of your datasets with the run\'s "dataset" field (a dataset id)',
     "tokenizer": 'reuse the tokenizer of one of your runs with the run\'s "tokenizer_run" field (a run id)',
     "storage": "the server chooses where checkpoints are kept (FATHOM_STORAGE_URL)",
+    "validation_dataset": 'choose one of your datasets with the run\'s "validation_dataset" field (a dataset id)',
 }
 
 
@@ -89,29 +94,38 @@ def _refuse_server_paths(spec: dict[str, Any]) -> None:
             )
 
 
-def check_run_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None) -> None:
+def check_run_data(
+    spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None, validation_dataset: Dataset | None = None
+) -> None:
     """What can be known before launch about the data a run names: that the ranks can read it.
 
     Ownership is checked where the ids are resolved (the serializer's querysets); this checks
     that the objects still hold what a rank needs, so a missing file is a 400 now rather than a
     failed run later.
     """
-    if dataset is not None and local_root(dataset.path) is None:
-        try:
-            stored = Storage.open(dataset.path)
-            present = stored.fs.exists(stored.root)
-        except Exception as exc:  # storage's many errors: say which object and why
-            raise InvalidInput("dataset", f"dataset {dataset.pk} ({dataset.name}) at {dataset.path} cannot be read: {failure_reason(exc)}") from None
-        if not present:
-            raise InvalidInput("dataset", f"the object of dataset {dataset.pk} ({dataset.name}), {dataset.path}, is gone; upload it again")
-    elif dataset is not None:
-        path = Path(dataset.path)
+    for field, chosen in (("dataset", dataset), ("validation_dataset", validation_dataset)):
+        if chosen is None:
+            continue
+        if local_root(chosen.path) is None:
+            try:
+                stored = Storage.open(chosen.path)
+                present = stored.fs.exists(stored.root)
+            except Exception as exc:  # storage's many errors: say which object and why
+                raise InvalidInput(
+                    field, f"dataset {chosen.pk} ({chosen.name}) at {chosen.path} cannot be read: {failure_reason(exc)}"
+                ) from None
+            if not present:
+                raise InvalidInput(
+                    field, f"the object of dataset {chosen.pk} ({chosen.name}), {chosen.path}, is gone; upload it again"
+                )
+            continue
+        path = Path(chosen.path)
         try:
             size = path.stat().st_size
         except OSError:
-            raise InvalidInput("dataset", f"the file of dataset {dataset.pk} ({dataset.name}) is gone; upload it again") from None
+            raise InvalidInput(field, f"the file of dataset {chosen.pk} ({chosen.name}) is gone; upload it again") from None
         if size == 0 or not os.access(path, os.R_OK):
-            raise InvalidInput("dataset", f"the file of dataset {dataset.pk} ({dataset.name}) is empty or unreadable")
+            raise InvalidInput(field, f"the file of dataset {chosen.pk} ({chosen.name}) is empty or unreadable")
     if tokenizer_run is not None:
         tokenizer_file = tokenizer_run.tokenizer_dir / "tokenizer.json"
         try:
@@ -265,33 +279,45 @@ def _store_dataset(target: Path, sha: str, *, removes_local: bool) -> str:
 hash_token = launcher.hash_token
 
 
-def resolve_data(spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None) -> RunSpec:
-    """The spec with the paths of the objects the run names, and only those: the dataset's file
-    and the tokenizer the other run's ranks keep in its folder. Empty: the demo corpus, and a
-    tokenizer trained on the data."""
+def resolve_data(
+    spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None, validation_dataset: Dataset | None = None
+) -> RunSpec:
+    """The spec with the paths of the objects the run names, and only those: the dataset's file,
+    the tokenizer the other run's ranks keep in its folder and the held-out dataset's file. Empty:
+    the demo corpus, a tokenizer trained on the data, no second held-out file. The data
+    section's other settings (the validation fraction) are the user's and stay."""
     data = DataConfig(
         dataset=dataset.path if dataset is not None else "",
         tokenizer=str(tokenizer_run.tokenizer_dir) if tokenizer_run is not None else "",
         storage=run_storage(),
+        validation_dataset=validation_dataset.path if validation_dataset is not None else "",
+        validation_fraction=spec.data.validation_fraction,
     )
     return dataclasses.replace(spec, data=data)
 
 
 def do_create_run(
-    owner: Any, name: str, spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None = None, *, priority: int = 0
+    owner: Any,
+    name: str,
+    spec: RunSpec,
+    dataset: Dataset | None,
+    tokenizer_run: Run | None = None,
+    *,
+    priority: int = 0,
+    validation_dataset: Dataset | None = None,
 ) -> Run:
     """Queues a run. `dataset` and `tokenizer_run` must be the owner's own: callers resolve ids among them.
 
     The spec is stored resolved, data paths included: from here to the ranks nobody parses or
     fills it in again (the launcher writes it as stored)."""
-    check_run_data(spec, dataset, tokenizer_run)
+    check_run_data(spec, dataset, tokenizer_run, validation_dataset)
     check_fits_cluster(spec)
     check_run_storage()
-    resolved = resolve_data(spec, dataset, tokenizer_run)
+    resolved = resolve_data(spec, dataset, tokenizer_run, validation_dataset)
     with transaction.atomic():
         run = Run.objects.create(
             owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run,
-            priority=priority,
+            validation_dataset=validation_dataset, priority=priority,
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         enqueue_on_commit("runs.tasks.launch_run", run.pk)
@@ -567,7 +593,14 @@ def _changes_from_events(run: Run, events: list[RunEvent], changes: dict[str, An
         elif event.kind == "checkpoint" or (event.kind == "resumed" and data.get("path")):
             # A run resumes only from a committed checkpoint: if the rank that committed it died
             # before reporting it, the resume reports it.
-            Checkpoint.objects.get_or_create(run=run, step=data["step"], defaults={"path": data["path"]})
+            checkpoint, _ = Checkpoint.objects.get_or_create(run=run, step=data["step"], defaults={"path": data["path"]})
+            if isinstance(data.get("eval_loss"), (int, float)) and checkpoint.eval_loss is None:
+                Checkpoint.objects.filter(pk=checkpoint.pk).update(eval_loss=data["eval_loss"])
+        elif event.kind == "eval" and isinstance(data.get("eval_loss"), (int, float)):
+            # A checkpoint reported before its step's evaluation arrived (a resume re-reports one).
+            Checkpoint.objects.filter(run=run, step=data.get("step"), eval_loss__isnull=True).update(
+                eval_loss=data["eval_loss"]
+            )
         elif event.kind == "restarting":
             restarts += 1
         elif event.kind == "failed" or event.kind == "succeeded" or event.kind == "cancelled":
@@ -576,6 +609,22 @@ def _changes_from_events(run: Run, events: list[RunEvent], changes: dict[str, An
     if restarts:
         changes["restarts"] = F("restarts") + restarts
     return status
+
+
+# What checkpoint lists may be sorted by (`?ordering=`); a leading "-" is descending. Checkpoints
+# without an eval loss come last either way: "deploy the best" means the best evaluated one.
+CHECKPOINT_ORDERINGS = ("step", "-step", "eval_loss", "-eval_loss", "created_at", "-created_at")
+
+
+def order_checkpoints(checkpoints: QuerySet[Checkpoint], ordering: str | None) -> QuerySet[Checkpoint]:
+    """`checkpoints` in the order `?ordering=` names; None (no parameter): the model's order (run, step)."""
+    if ordering is None:
+        return checkpoints
+    if ordering not in CHECKPOINT_ORDERINGS:
+        raise InvalidInput("ordering", f"must be one of {', '.join(CHECKPOINT_ORDERINGS)}; got {ordering!r}")
+    name = ordering.removeprefix("-")
+    field = F(name).desc(nulls_last=True) if ordering.startswith("-") else F(name).asc(nulls_last=True)
+    return checkpoints.order_by(field, "run", "step")
 
 
 def _mark_pruned(run: Run) -> list[RunEvent]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.parsers import JSONParser, MultiPartParser
@@ -24,6 +24,13 @@ from runs.serializers import (
     IngestSerializer,
     RunEventSerializer,
     RunSerializer,
+)
+
+CHECKPOINT_ORDERING = OpenApiParameter(
+    "ordering",
+    str,
+    enum=list(services.CHECKPOINT_ORDERINGS),
+    description="Sort order; eval_loss puts the best held-out loss first (unevaluated checkpoints last).",
 )
 
 
@@ -101,10 +108,13 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         # The source's data section holds the paths resolved from its objects at submit; the clone
         # names its data through the same objects (or the edits' own), never through a stored path.
         spec = {section: values for section, values in source.spec.items() if section != "data"}
+        # The one data setting that is not a path: the share held out for evaluation.
+        spec["data"] = {"validation_fraction": source.spec.get("data", {}).get("validation_fraction", 0.0)}
         body: dict[str, Any] = {
             "name": edits.get("name") or f"{source.name} (clone)",
             "dataset": edits.get("dataset", source.dataset_id),
             "tokenizer_run": edits.get("tokenizer_run", source.tokenizer_run_id),
+            "validation_dataset": edits.get("validation_dataset", source.validation_dataset_id),
             "spec": services.deep_merge(spec, edits.get("spec") or {}),
         }
         serializer = RunSerializer(data=body, context={"request": request})
@@ -125,18 +135,21 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         serializer = RunSerializer(data=request.data, context={"request": request})
         serializer.is_valid(raise_exception=True)
         checked = serializer.validated_data
-        services.check_run_data(checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"))
+        services.check_run_data(
+            checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"), checked.get("validation_dataset")
+        )
         services.check_fits_cluster(checked["run_spec"])
         services.check_run_storage()
         return Response({"spec": checked["run_spec"].to_dict()})
 
     # A run keeps a handful of checkpoints (train.keep_checkpoints prunes the rest), so they come
     # as one list, not in pages.
-    @extend_schema(responses=CheckpointSerializer(many=True))
+    @extend_schema(parameters=[CHECKPOINT_ORDERING], responses=CheckpointSerializer(many=True))
     @action(detail=True, methods=["get"], pagination_class=None)
     def checkpoints(self, request: Request, pk: str) -> Response:
         run = self.get_object()
-        return Response(CheckpointSerializer(run.checkpoints.all(), many=True).data)
+        ordered = services.order_checkpoints(run.checkpoints.all(), request.query_params.get("ordering"))
+        return Response(CheckpointSerializer(ordered, many=True).data)
 
     @extend_schema(
         parameters=[
@@ -194,8 +207,12 @@ class RunEventsView(APIView):
         return Response({"last_seq": services.do_ingest_events(run, source, events)})
 
 
+@extend_schema_view(list=extend_schema(parameters=[CHECKPOINT_ORDERING]))
 class CheckpointViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = CheckpointSerializer
 
     def get_queryset(self) -> QuerySet[Checkpoint]:
-        return owned(self, Checkpoint.objects.select_related("run"), "run__owner")
+        checkpoints = owned(self, Checkpoint.objects.select_related("run"), "run__owner")
+        if self.action == "list":
+            return services.order_checkpoints(checkpoints, self.request.query_params.get("ordering"))
+        return checkpoints

@@ -133,13 +133,21 @@ def test_a_run_stores_the_paths_of_the_objects_it_names_and_the_launcher_writes_
     ).json()
     run = Run.objects.get(pk=created["id"])
     # Resolved at submit, from the objects only: the API refuses a path from the user.
-    assert run.spec["data"] == {"dataset": alices_upload.path, "tokenizer": str(earlier.tokenizer_dir), "storage": ""}
+    assert run.spec["data"] == {
+        "dataset": alices_upload.path,
+        "tokenizer": str(earlier.tokenizer_dir),
+        "storage": "",
+        "validation_dataset": "",
+        "validation_fraction": 0.0,
+    }
     folder, _ = launcher.prepare(run)
     assert json.loads(RunDir(folder).spec_file.read_text()) == run.spec
 
     plain = alice_api.post("/api/runs/", {"name": "y"}, format="json").json()
     folder, _ = launcher.prepare(Run.objects.get(pk=plain["id"]))
-    assert json.loads(RunDir(folder).spec_file.read_text())["data"] == {"dataset": "", "tokenizer": "", "storage": ""}
+    assert json.loads(RunDir(folder).spec_file.read_text())["data"] == {
+        "dataset": "", "tokenizer": "", "storage": "", "validation_dataset": "", "validation_fraction": 0.0
+    }
 
 
 def test_a_clone_keeps_the_sources_data_objects(alice, alice_api, alices_upload):

@@ -21,7 +21,7 @@ const run = pageData("run-data");
 const $ = (id) => document.getElementById(id);
 
 const charts = {
-  loss: new LineChart($("chart-loss"), { series: ["loss"], yLabel: "nats/token", smoothable: true, syncKey: `run-${run.id}` }),
+  loss: new LineChart($("chart-loss"), { series: ["loss", "eval loss"], yLabel: "nats/token", smoothable: true, syncKey: `run-${run.id}` }),
   lr: new LineChart($("chart-lr"), { series: ["lr"], yLabel: "learning rate", syncKey: `run-${run.id}` }),
   tps: new LineChart($("chart-tps"), { series: ["tokens/s"], yLabel: "tokens/s", yRange: (u, min, max) => [0, Math.max(max, 1) * 1.1], syncKey: `run-${run.id}` }),
   mfu: new LineChart($("chart-mfu"), { series: ["MFU %"], yLabel: "% of peak FLOPs", yRange: (u, min, max) => [0, Math.max(max, 0.01) * 1.1], syncKey: `run-${run.id}` }),
@@ -44,6 +44,9 @@ let cancelRequested = false;
 const silent = new Map(); // node agent → seconds it had been silent when the control plane noticed
 let step = 0;
 const markers = []; // restarts and checkpoints drawn on the loss curve
+// The loss chart's two series by step: a point holds both, and each event brings one of them.
+const trainLoss = new Map();
+const evalLoss = new Map();
 
 // --- Events ------------------------------------------------------------------------------------
 
@@ -55,11 +58,17 @@ function onEvents(events) {
   for (const e of events) {
     if (e.kind === "metrics") {
       step = Math.max(step, e.step);
-      charts.loss.put(e.step, [e.loss]);
+      trainLoss.set(e.step, e.loss);
+      charts.loss.put(e.step, [e.loss, evalLoss.get(e.step)]);
       charts.lr.put(e.step, [e.lr]);
       charts.tps.put(e.step, [e.tokens_per_s]);
       charts.mfu.put(e.step, [e.mfu == null ? null : e.mfu * 100]);
       showMetrics(e);
+    } else if (e.kind === "eval") {
+      evalLoss.set(e.step, e.eval_loss);
+      charts.loss.put(e.step, [trainLoss.get(e.step), e.eval_loss]);
+      $("stat-eval-loss").textContent = formatNumber(e.eval_loss);
+      $("chart-loss").dataset.evalPoints = String(evalLoss.size);
     } else if (e.kind === "checkpoint") {
       markers.push({ x: e.step, color: "#2e7d32" });
     } else if (e.kind === "restarting") {

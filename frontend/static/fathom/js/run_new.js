@@ -10,6 +10,7 @@ const recipes = pageData("recipes");
 const recipeSelect = document.getElementById("f-recipe");
 const datasetSelect = document.getElementById("f-dataset");
 const tokenizerSelect = document.getElementById("f-tokenizer-run");
+const validationSelect = document.getElementById("f-validation-dataset");
 const fileInput = document.getElementById("f-file");
 const fileStatus = document.getElementById("f-file-status");
 const summary = document.getElementById("form-errors");
@@ -56,6 +57,12 @@ async function loadDatasets(select) {
     ...datasets.map((d) => h("option", { value: d.id }, datasetLabel(d))),
   );
   datasetSelect.value = String(current ?? "");
+  const held = validationSelect.value;
+  validationSelect.replaceChildren(
+    h("option", { value: "" }, "None (or a validation split, under Evaluation)"),
+    ...datasets.map((d) => h("option", { value: d.id }, datasetLabel(d))),
+  );
+  validationSelect.value = held;
 }
 
 async function upload() {
@@ -108,6 +115,7 @@ function readForm() {
   if (name) body.name = name;
   body.dataset = datasetSelect.value ? Number(datasetSelect.value) : null;
   if (tokenizerSelect.value) body.tokenizer_run = Number(tokenizerSelect.value);
+  if (validationSelect.value) body.validation_dataset = Number(validationSelect.value);
   const faultChosen = form.elements.namedItem("spec.faults.0.kind").value !== "";
   for (const input of specInputs) {
     if (input.name.startsWith("spec.faults.") && !faultChosen) continue;
@@ -282,6 +290,7 @@ async function prefillFrom(runId) {
   await Promise.all([datasetsLoaded, tokenizersLoaded]);
   datasetSelect.value = source.dataset == null ? "" : String(source.dataset);
   tokenizerSelect.value = source.tokenizer_run == null ? "" : String(source.tokenizer_run);
+  validationSelect.value = source.validation_dataset == null ? "" : String(source.validation_dataset);
   document.getElementById("form-title").textContent = `Clone run #${source.id}`;
   form.dataset.cloneOf = String(source.id);
 }

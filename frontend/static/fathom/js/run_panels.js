@@ -1,6 +1,7 @@
 // The run page's panels: the checkpoint list (with Deploy) and the polled log tail.
 
 import { api, items } from "./api.js";
+import { formatNumber } from "./chart.js";
 import { ago, h } from "./dom.js";
 
 /**
@@ -36,8 +37,12 @@ export class Checkpoints {
     const iso = new Date(e.time * 1000).toISOString();
     const row = this.rows.get(e.step);
     if (e.kind === "checkpoint") {
-      if (!row) this.rows.set(e.step, { id: null, step: e.step, path: e.path, export_path: "", created_at: iso, pruned_at: null });
+      if (!row) this.rows.set(e.step, { id: null, step: e.step, path: e.path, export_path: "", eval_loss: e.eval_loss ?? null, created_at: iso, pruned_at: null });
       this.refreshSoon(); // the row's id, which Deploy needs
+      return true;
+    }
+    if (e.kind === "eval" && row) {
+      row.eval_loss ??= e.eval_loss;
       return true;
     }
     if (e.kind === "exported" && row) {
@@ -74,6 +79,7 @@ export class Checkpoints {
       "tr",
       { dataset: { step: checkpoint.step, state } },
       h("td", { class: "num", "data-label": "Step" }, String(checkpoint.step)),
+      h("td", { class: "num", "data-label": "Eval loss" }, checkpoint.eval_loss == null ? "–" : formatNumber(checkpoint.eval_loss)),
       h("td", { "data-label": "Saved" }, h("time", { datetime: checkpoint.created_at, title: checkpoint.created_at }, ago(checkpoint.created_at))),
       h("td", { class: "export", "data-label": "State" }, exportCell),
       h("td", {}, deploy ? [h("span", { class: "visually-hidden" }, `Step ${checkpoint.step}: `), deploy] : null),

@@ -1,4 +1,4 @@
-// The run's timeline: everything but the metrics stream, newest first, each item saying what
+// The run's timeline: everything but the metrics and evaluation streams (the charts show those), newest first, each item saying what
 // happened in words. Items carry `data-kind` so a reader (or a test) can find restarts.
 
 import { clockTime, h } from "./dom.js";
@@ -93,7 +93,7 @@ export class Timeline {
 
   add(events) {
     const items = events
-      .filter((e) => e.kind !== "metrics")
+      .filter((e) => e.kind !== "metrics" && e.kind !== "eval")
       .map((e) => {
         const [title, detail] = describe(e);
         return h(
