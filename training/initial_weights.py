@@ -14,13 +14,15 @@ holds the whole model; the most one holds beside its shards is one slice of one 
   32-bit draw each; `normal_` the same, transformed 16 at a time, the last 16 redrawn when the
   count is not a multiple of 16), so slabs whose sizes are multiples of 16 draw exactly what
   the whole tensor draws (tests/training/test_initial_weights.py checks it).
-- `pretrained.PretrainedWeights` reads each shard's slice from a Hugging Face folder's safetensors.
+- `PretrainedWeights` reads each shard's slice of each tensor from a Hugging Face folder's
+  safetensors (`safe_open(...).get_slice`), one tensor at a time.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -30,6 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from training.config import ModelConfig, RunSpec
 from training.model import Transformer
+from training.pretrained import hf_name, tensor_files, tied_embeddings
 
 # Elements per slab of draws: small beside any model worth building on meta (32 MB of fp32),
 # large enough that the per-slab overhead is nothing beside the drawing itself.
@@ -156,6 +159,36 @@ class SeededInit:
                     shard.write_rows(first_row, rows)
 
 
+class PretrainedWeights:
+    """The tensors of a Hugging Face Llama folder, each rank reading only its shards' slices."""
+
+    def __init__(self, folder: Path, seed: int) -> None:
+        self.folder = folder
+        self.seed = seed
+
+    def fill(self, shards: dict[str, LocalShard]) -> None:
+        from safetensors import safe_open
+
+        torch.manual_seed(self.seed)  # whatever draws after the init starts where a scratch run's would
+        files = tensor_files(self.folder)
+        tied = tied_embeddings(self.folder)
+        for name, shard in shards.items():
+            stored = hf_name(name)
+            if stored not in files and name == "lm_head.weight" and tied:
+                stored = hf_name("embed_tokens.weight")
+            if stored not in files:
+                raise ValueError(f"{self.folder} holds no tensor {stored}")
+            with safe_open(str(files[stored]), framework="pt") as f:
+                piece = f.get_slice(stored)
+                if tuple(piece.get_shape()) != shard.full_shape:
+                    raise ValueError(
+                        f"{self.folder}: {stored} has shape {tuple(piece.get_shape())}; the model needs {shard.full_shape}"
+                    )
+                shard.local.copy_(piece[shard.box])  # reads only this box of the file, in its stored dtype
+
+
 def initial_weights(spec: RunSpec) -> WeightSource:
     """Where a run's first weights come from (a resumed run then overwrites them from its checkpoint)."""
+    if spec.data.pretrained:
+        return PretrainedWeights(Path(spec.data.pretrained), spec.train.seed)
     return SeededInit(spec.model, spec.train.seed)
