@@ -54,7 +54,9 @@ def worker(recipe: str, layout: str) -> None:
     started = time.perf_counter()
     model = parallelize(SeededInit(spec.model, spec.train.seed), spec, dims, mesh, rank, cross_entropy_loss)
     seconds = time.perf_counter() - started
-    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for part in model.parts for p in part.parameters())
+    held = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for part in model.parts for p in part.parameters()
+    )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     result = {"rank": rank, "peak_mib": peak, "before_mib": before, "held_params": held, "seconds": seconds}
     print("RESULT " + json.dumps(result), flush=True)
@@ -100,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             )
         ratios[layout] = max(r["peak_mib"] for r in ranks) / full_mib
     figures = " ".join(f"peak_over_full_model_{layout}={ratio:.3f}" for layout, ratio in ratios.items())
-    print(f"recipe={args.recipe} full_model_mib={full_mib:.0f} {figures} worst_peak_over_full_model={max(ratios.values()):.3f}")
+    print(
+        f"recipe={args.recipe} full_model_mib={full_mib:.0f} {figures} worst_peak_over_full_model={max(ratios.values()):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -127,6 +127,10 @@ def _constructor_draw(module: nn.Module) -> Callable[[torch.Tensor], object] | N
     return None
 
 
+def _normal(std: float) -> Callable[[torch.Tensor], object]:
+    return lambda t: t.normal_(0.0, std)
+
+
 class SeededInit:
     """The eager model's initial values for `seed`, replayed into shards (see the module docstring)."""
 
@@ -142,6 +146,7 @@ class SeededInit:
         for module in reference.modules():
             draw = _constructor_draw(module)
             if draw is not None:
+                assert isinstance(module.weight, torch.Tensor)
                 for _ in slabs(tuple(module.weight.shape), draw):
                     pass
         # 2. Transformer.reset_parameters, parameter by parameter; every rank draws every
@@ -154,7 +159,7 @@ class SeededInit:
                 if shard is not None:
                     shard.local.fill_(1.0)
                 continue
-            for first_row, rows in slabs(shape, lambda t, std=std: t.normal_(0.0, std)):
+            for first_row, rows in slabs(shape, _normal(std)):
                 if shard is not None:
                     shard.write_rows(first_row, rows)
 

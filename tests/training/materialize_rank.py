@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `training`
 
 from training.config import RunSpec
-from safetensors.torch import load_file
-
 from training.initial_weights import canonical_name, initial_weights
 from training.model import Transformer, cross_entropy_loss
 from training.parallel import parallelize

@@ -66,7 +66,9 @@ def test_the_model_and_tokenizer_come_from_the_folder(llama_folder: Path) -> Non
 def test_a_folder_the_decoder_cannot_compute_is_refused_naming_the_field(llama_folder: Path, tmp_path: Path) -> None:
     shutil.copytree(llama_folder, tmp_path / "biased")
     config = (tmp_path / "biased" / "config.json").read_text()
-    (tmp_path / "biased" / "config.json").write_text(config.replace('"attention_bias": false', '"attention_bias": true'))
+    (tmp_path / "biased" / "config.json").write_text(
+        config.replace('"attention_bias": false', '"attention_bias": true')
+    )
     with pytest.raises(SpecError, match="attention_bias must be false") as info:
         spec_from(tmp_path / "biased")
     assert info.value.field == "data.pretrained"
