@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,16 +16,14 @@ from tools.check_parity import launch, step_values
 from training.config import DataConfig, ModelConfig, RunSpec, SpecError, tiny
 from training.data import TOKENIZER_FILES, ShardedSampler, TokenWindows, prepare_data
 from training.initial_weights import PretrainedWeights, build_meta, materialize
-from training.pretrained import resolve
+from training.pretrained import INDEX_FILE, resolve
 
 TOLERANCE = 1e-4
 TIMEOUT = 600  # seconds; a hung run fails its test instead of blocking the suite
 
 
-@pytest.fixture(scope="module")
-def llama_folder(tiny_data: DataConfig, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_llama(folder: Path, tokenizer_dir: Path, tied: bool = False) -> Path:
     """A small random Llama saved by `transformers` in several safetensors files, with a tokenizer."""
-    folder = tmp_path_factory.mktemp("llama")
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=512,
@@ -36,13 +35,18 @@ def llama_folder(tiny_data: DataConfig, tmp_path_factory: pytest.TempPathFactory
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
-    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="300KB")  # sharded: an index and 9 files
+    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="300KB")  # sharded: an index and files
     assert (folder / "model.safetensors.index.json").exists()
     for name in TOKENIZER_FILES:
-        shutil.copy(Path(tiny_data.tokenizer).parent / name, folder / name)
+        shutil.copy(tokenizer_dir / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tiny_data: DataConfig, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_llama(tmp_path_factory.mktemp("llama"), Path(tiny_data.tokenizer).parent)
 
 
 def spec_from(folder: Path, dataset: str = "", **layout: int) -> RunSpec:
@@ -80,14 +84,24 @@ def test_a_folder_whose_heads_tp_does_not_divide_is_refused(llama_folder: Path) 
     assert info.value.field == "layout.tp"
 
 
-def test_its_logits_are_those_of_transformers(llama_folder: Path) -> None:
-    spec = spec_from(llama_folder)
+def assert_same_logits(folder: Path) -> None:
+    spec = spec_from(folder)
     model = build_meta(spec.model)
-    materialize([model], torch.device("cpu"), PretrainedWeights(llama_folder, spec.train.seed))
+    materialize([model], torch.device("cpu"), PretrainedWeights(folder, spec.train.seed))
     ids = torch.randint(0, spec.model.vocab_size, (2, spec.model.seq_len), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours, theirs = model(ids), reference(llama_folder)(ids).logits
+        ours, theirs = model(ids), reference(folder)(ids).logits
     assert (ours - theirs).abs().max().item() <= TOLERANCE
+
+
+def test_its_logits_are_those_of_transformers(llama_folder: Path) -> None:
+    assert_same_logits(llama_folder)
+
+
+def test_tied_embeddings_start_the_output_head_from_the_embedding(tiny_data: DataConfig, tmp_path: Path) -> None:
+    folder = save_llama(tmp_path, Path(tiny_data.tokenizer).parent, tied=True)
+    assert not any(name.startswith("lm_head") for name in json.loads((folder / INDEX_FILE).read_text())["weight_map"])
+    assert_same_logits(folder)
 
 
 def test_each_rank_of_a_dp2_tp2_zero3_layout_reads_its_shards_of_the_folder(llama_folder: Path, tmp_path: Path) -> None:
