@@ -236,6 +236,10 @@ class DataConfig:
 
     dataset: str = ""  # a .txt or .jsonl file; empty: the built-in demo corpus
     tokenizer: str = ""  # a tokenizer.json; empty: trained on the dataset
+    # A Hugging Face Llama folder (config.json, safetensors, tokenizer.json) to start from, filled
+    # in by the control plane like the paths above: the model section and the tokenizer then come
+    # from it (training.pretrained.resolve). Empty: a model initialised from train.seed.
+    pretrained: str = ""
     # The storage URL (FATHOM_STORAGE_URL) the run's checkpoints live under, filled in by the
     # control plane at submit when it is not the run folder's own file system: `s3://bucket/prefix`
     # (training.checkpoint_storage). Empty: the run folder.

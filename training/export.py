@@ -29,15 +29,11 @@ from training.config import RunSpec
 from training.data import END_OF_TEXT, IM_END, TOKENIZER_FILES, copy_tokenizer, special_token_ids
 from training.hf_format import EXPORT_DTYPE, hf_config
 from training.model import Transformer
+from training.pretrained import hf_name
 from training.run_dir import CHECKPOINT_SPEC, CHECKPOINT_TOKENIZER, COMMITTED_MARKER, CheckpointDir, RunDir
 from training.storage import Storage, local_root
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def hf_name(name: str) -> str:
-    """Fathom's parameter name → LlamaForCausalLM's."""
-    return name if name.startswith("lm_head.") else f"model.{name}"
 
 
 def _on_object_storage(checkpoint: Path | str) -> bool:

@@ -112,6 +112,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cos: torch.Tensor  # (seq_len, head_dim) buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -119,23 +122,44 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         # Not persistent: derived from the config, so checkpoints and exports carry only weights.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
+        self.reset_buffers()
         self.reset_parameters()
 
     @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Fills the rotary tables, computed on the CPU and copied to wherever the buffers are (a
+        model built on the meta device and then `to_empty`-ed calls this again)."""
+        if self.rope_cos.is_meta:
+            return
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def init_std(self, name: str, ndim: int) -> float | None:
+        """The standard deviation `reset_parameters` draws parameter `name` with; None: ones (norm gains).
+
+        GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2·n_layers).
+        """
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        return 0.02 if ndim == 2 else None
+
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2·n_layers)."""
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        """Draws every parameter from the global generator in `named_parameters()` order.
+
+        training/initial_weights.py replays this draw for draw (and the module constructors' draws
+        before it) to fill a model built on the meta device shard by shard with the same values.
+        """
         for name, param in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(param, mean=0.0, std=residual_std)
-            elif param.ndim == 2:
-                nn.init.normal_(param, mean=0.0, std=0.02)
-            else:
+            std = self.init_std(name, param.ndim)
+            if std is None:
                 nn.init.ones_(param)
+            else:
+                nn.init.normal_(param, mean=0.0, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids (B, T) on the first stage, hidden states (B, T, dim) on later pipeline stages.

@@ -26,6 +26,7 @@ from training.config import RunSpec, SpecError
 from training.data import PreparedData, prepare_data
 from training.device import activate, device_from_environment
 from training.hooks import build_hooks
+from training.pretrained import resolve as resolve_pretrained
 from training.rank_environment import EVENTS_FILE, NON_RETRYABLE_EXIT, ErrorClass, RankEnvironment, RankError
 from training.rank_events import EventLog
 from training.run_dir import RunDir
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints a stuck rank's stacks
     try:
-        spec = RunSpec.from_json(args.spec.read_text())
+        # A run from a pretrained folder takes its model and tokenizer from there (idempotent).
+        spec = resolve_pretrained(RunSpec.from_json(args.spec.read_text()))
     except (OSError, ValueError) as exc:  # SpecError is a ValueError
         fail_for_good(NonRetryable("spec", f"{args.spec}: {exc}"))
     args.run_dir.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,10 @@ from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.device import CPU, ComputeDevice, device_peak_memory_mb, host_cache, peak_flops
 from training.hooks import TrainHook
+from training.initial_weights import initial_weights
 from training.memory_snapshot import MemorySnapshots
 from training.metrics import mfu, step_line
-from training.model import IGNORE_INDEX, Transformer, cross_entropy_loss, token_loss_sum
+from training.model import IGNORE_INDEX, cross_entropy_loss, token_loss_sum
 from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
 from training.rank_environment import RankEnvironment
@@ -104,13 +105,11 @@ class Trainer:
         self.reports_loss = coords["tp"] == 0  # tp ranks hold the same loss; count it once
         self.shape = batch_shape(spec)
 
-        torch.manual_seed(spec.train.seed)  # the same full model on every rank and in the reference
-        full = Transformer(spec.model)
         # Each backward pass sees its loss divided by the passes of a step (accumulation × pipeline
         # micro-batches), so the accumulated gradient is that of the step's mean loss.
         self.loss_scale = 1.0 / self.shape.backward_passes
         self.model: ParallelModel = parallelize(
-            full,
+            initial_weights(spec),  # the same values on every layout and in the one-process reference
             spec,
             self.dims,
             self.mesh,

@@ -78,6 +78,7 @@ _DATA_OBJECT_FOR_PATH = {
     "tokenizer": 'reuse the tokenizer of one of your runs with the run\'s "tokenizer_run" field (a run id)',
     "storage": "the server chooses where checkpoints are kept (FATHOM_STORAGE_URL)",
     "validation_dataset": 'choose one of your datasets with the run\'s "validation_dataset" field (a dataset id)',
+    "pretrained": "a run starts from a pretrained model only as one an administrator registered",
 }
 
 

@@ -22,7 +22,9 @@ from training.run_dir import RunDir
 
 pytestmark = pytest.mark.django_db
 
-PATH_FIELDS = ["dataset", "tokenizer"]
+PATH_FIELDS = ["dataset", "tokenizer", "pretrained"]
+# What each refusal points the user to instead of a path.
+INSTEAD = {"dataset": '"dataset"', "tokenizer": "tokenizer_run", "pretrained": "registered"}
 
 
 @pytest.fixture
@@ -48,7 +50,7 @@ def test_a_server_path_in_a_spec_is_refused_naming_the_field(bob_api, alices_upl
         assert response.status_code == 400, response.content
         message = response.json()["spec"]["data"][field][0]
         assert "server paths are not accepted" in message
-        assert ("tokenizer_run" if field == "tokenizer" else '"dataset"') in message
+        assert INSTEAD[field] in message
     assert Run.objects.count() == 0
 
 
@@ -139,6 +141,7 @@ def test_a_run_stores_the_paths_of_the_objects_it_names_and_the_launcher_writes_
         "storage": "",
         "validation_dataset": "",
         "validation_fraction": 0.0,
+        "pretrained": "",
     }
     folder, _ = launcher.prepare(run)
     assert json.loads(RunDir(folder).spec_file.read_text()) == run.spec
@@ -146,7 +149,8 @@ def test_a_run_stores_the_paths_of_the_objects_it_names_and_the_launcher_writes_
     plain = alice_api.post("/api/runs/", {"name": "y"}, format="json").json()
     folder, _ = launcher.prepare(Run.objects.get(pk=plain["id"]))
     assert json.loads(RunDir(folder).spec_file.read_text())["data"] == {
-        "dataset": "", "tokenizer": "", "storage": "", "validation_dataset": "", "validation_fraction": 0.0
+        "dataset": "", "tokenizer": "", "storage": "", "validation_dataset": "", "validation_fraction": 0.0,
+        "pretrained": "",
     }
 
 

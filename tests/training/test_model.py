@@ -39,17 +39,15 @@ def test_parameter_names_and_shapes_are_llamas_after_renaming(cfg: ModelConfig) 
 
 
 def test_pipeline_stages_together_hold_every_parameter_once_under_its_own_name(cfg: ModelConfig) -> None:
-    full = Transformer(cfg)
-    names = [list(split_stage(full, s, 3).state_dict()) for s in range(3)]
-    assert sorted(sum(names, [])) == sorted(full.state_dict())
+    names = [list(split_stage(Transformer(cfg), s, 3).state_dict()) for s in range(3)]
+    assert sorted(sum(names, [])) == sorted(Transformer(cfg).state_dict())
     assert "embed_tokens.weight" in names[0] and "lm_head.weight" in names[2]
     assert [n for n in names[1] if n.startswith("layers.")][0].startswith("layers.2.")
 
 
 def test_a_middle_stage_maps_hidden_states_to_hidden_states(cfg: ModelConfig) -> None:
-    full = Transformer(cfg)
     h = torch.randn(2, 8, cfg.dim)
-    assert split_stage(full, 1, 3)(h).shape == (2, 8, cfg.dim)
+    assert split_stage(Transformer(cfg), 1, 3)(h).shape == (2, 8, cfg.dim)
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])

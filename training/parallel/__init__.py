@@ -2,16 +2,20 @@
 
 `parallelize` applies them in a fixed order, each step relying on the one before:
 
-1. pipeline split (pipeline.py): keep only this rank's stages of the seeded full model;
+1. pipeline split (pipeline.py): build this rank's stages on the meta device, nothing else;
 2. tensor parallelism (tensor.py): shard each stage's weights over tp, by submodule name;
 3. activation recompute (recompute.py): wrap the TP-sharded blocks;
 4. FSDP2 (fsdp.py, zero 1–3): shard the wrapped blocks' (DTensor) parameters over dp, in bf16
    mixed precision when the layout asks for bf16 (the trainer autocasts only without FSDP);
-5. gradient all-reduce hooks (replicate.py, zero 0 with dp > 1): on the final parameters;
-6. the pipeline schedule (pipeline.py) over the finished stage modules.
+5. materialisation (training/initial_weights.py): allocate only the local shards on the device
+   and fill them from the weight source (the seeded init, or a pretrained folder);
+6. hooks on the final parameter objects (`to_empty` replaced them): TP's embedding gradient
+   resharding, and the gradient all-reduce (replicate.py, zero 0 with dp > 1);
+7. the pipeline schedule (pipeline.py) over the finished stage modules.
 
-Only dimensions larger than 1 are applied. Every rank first builds the whole model from the
-same seed, so each parallel layout starts from exactly the weights of the single-process run.
+Only dimensions larger than 1 are applied. Steps 1–4 cost no memory; no rank ever holds the
+whole model. The seeded source replays the single-process init draw for draw, so each parallel
+layout starts from exactly the weights of the single-process run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from training.config import RunSpec
+from training.initial_weights import WeightSource, build_meta, materialize
 from training.model import Transformer
 from training.parallel.dims import ParallelDims, batch_shape
 from training.parallel.fsdp import apply_fsdp
@@ -46,7 +51,7 @@ class ParallelModel:
 
 
 def parallelize(
-    full: Transformer,
+    weights: WeightSource,
     spec: RunSpec,
     dims: ParallelDims,
     mesh: DeviceMesh | None,
@@ -54,32 +59,32 @@ def parallelize(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device | None = None,
 ) -> ParallelModel:
-    """This rank's share of `full`, parallelized in the order of the module docstring.
+    """This rank's share of the `spec.model` model, parallelized in the order of the module docstring,
+    its shards on `device` (default: the CPU) holding the values `weights` gives them.
 
     `loss_fn(logits, targets)` is what a pipeline schedule applies to each micro-batch on the last
     stage; it must already divide by the number of micro-batches (the schedule does not scale).
-    `full` is built on the CPU (the same seeded weights everywhere); each kept part moves to
-    `device` (default: the CPU) before it is sharded.
     """
     device = device or torch.device("cpu")
     coords = dims.coordinates(rank)
     lay = spec.layout
     if dims.pp > 1:
         stage_ids = dims.stage_ids(coords["pp"])
-        parts = [split_stage(full, s, dims.num_stages) for s in stage_ids]
+        parts = [split_stage(build_meta(spec.model), s, dims.num_stages) for s in stage_ids]
     else:
-        stage_ids, parts = [0], [full]
+        stage_ids, parts = [0], [build_meta(spec.model)]
     for part in parts:
-        part.to(device)
         if dims.tp > 1:
             assert mesh is not None
             apply_tp(part, mesh["tp"])
-            if not dims.fsdp_enabled:
-                keep_embedding_grad_sharded(part)
         apply_recompute(part, lay.recompute)
         if dims.fsdp_enabled:
             assert mesh is not None
             apply_fsdp(part, mesh["dp"], dims.zero, lay.precision)
+    materialize(parts, device, weights)
+    if dims.tp > 1 and not dims.fsdp_enabled:
+        for part in parts:
+            keep_embedding_grad_sharded(part)
     grad_sync = None
     if dims.replicate_enabled:
         assert mesh is not None

@@ -1,9 +1,10 @@
 """Pipeline parallelism: cut the model into stages by layers and run them with a schedule.
 
-Every rank builds the whole model from the same seed, then keeps only its stages: a stage is a
-deep copy with the other layers deleted from the `layers` ModuleDict, and with the embedding
+Every rank builds a model on the meta device per stage it runs (no memory, no copy) and keeps
+only that stage of it: the other layers deleted from the `layers` ModuleDict, and the embedding
 (not the first stage) or the final norm and head (not the last stage) set to None. Names of what
-remains are unchanged, so the state dicts of all stages together are the whole model's.
+remains are unchanged, so the state dicts of all stages together are the whole model's. The
+stages get their storage and values later, shard by shard (training/initial_weights.py).
 
 Schedules come from `torch.distributed.pipelining`: GPipe (all forwards, then all backwards),
 1F1B (one forward, one backward in steady state: at most `pp` micro-batches of activations alive)
@@ -16,7 +17,6 @@ zero=0 gradient all-reduce has already read them.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -35,10 +35,9 @@ from training.model import Transformer
 from training.parallel.dims import stage_layers
 
 
-def split_stage(full: Transformer, stage: int, num_stages: int) -> Transformer:
-    """A copy of `full` holding only what pipeline stage `stage` of `num_stages` runs."""
-    part = copy.deepcopy(full)
-    owned = {str(i) for i in stage_layers(full.cfg.n_layers, num_stages)[stage]}
+def split_stage(part: Transformer, stage: int, num_stages: int) -> Transformer:
+    """Cuts `part`, a whole model, down in place to what pipeline stage `stage` of `num_stages` runs."""
+    owned = {str(i) for i in stage_layers(part.cfg.n_layers, num_stages)[stage]}
     for name in list(part.layers.keys()):
         if name not in owned:
             del part.layers[name]

@@ -1,0 +1,137 @@
+"""A run started from a Hugging Face Llama folder computes what `transformers` computes with it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.training.test_initial_weights import materialize_under
+from tools.check_parity import launch, step_values
+from training.config import DataConfig, ModelConfig, RunSpec, SpecError, tiny
+from training.data import TOKENIZER_FILES, ShardedSampler, TokenWindows, prepare_data
+from training.initial_weights import PretrainedWeights, build_meta, materialize
+from training.pretrained import INDEX_FILE, resolve
+
+TOLERANCE = 1e-4
+TIMEOUT = 600  # seconds; a hung run fails its test instead of blocking the suite
+
+
+def save_llama(folder: Path, tokenizer_dir: Path, tied: bool = False) -> Path:
+    """A small random Llama saved by `transformers` in several safetensors files, with a tokenizer."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="300KB")  # sharded: an index and files
+    assert (folder / "model.safetensors.index.json").exists()
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tiny_data: DataConfig, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_llama(tmp_path_factory.mktemp("llama"), Path(tiny_data.tokenizer).parent)
+
+
+def spec_from(folder: Path, dataset: str = "", **layout: int) -> RunSpec:
+    spec = tiny(**layout)
+    spec.data = DataConfig(dataset=dataset, pretrained=str(folder))
+    return resolve(spec)
+
+
+def reference(folder: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_the_model_and_tokenizer_come_from_the_folder(llama_folder: Path) -> None:
+    spec = spec_from(llama_folder)
+    assert (spec.model.n_layers, spec.model.dim, spec.model.ffn_dim) == (2, 128, 384)
+    assert (spec.model.n_heads, spec.model.n_kv_heads, spec.model.vocab_size) == (4, 2, 512)
+    assert spec.data.tokenizer == str(llama_folder / "tokenizer.json")
+    assert resolve(spec) == spec
+
+
+def test_a_folder_the_decoder_cannot_compute_is_refused_naming_the_field(llama_folder: Path, tmp_path: Path) -> None:
+    shutil.copytree(llama_folder, tmp_path / "biased")
+    config = (tmp_path / "biased" / "config.json").read_text()
+    (tmp_path / "biased" / "config.json").write_text(
+        config.replace('"attention_bias": false', '"attention_bias": true')
+    )
+    with pytest.raises(SpecError, match="attention_bias must be false") as info:
+        spec_from(tmp_path / "biased")
+    assert info.value.field == "data.pretrained"
+
+
+def test_a_folder_whose_heads_tp_does_not_divide_is_refused(llama_folder: Path) -> None:
+    with pytest.raises(SpecError) as info:
+        spec_from(llama_folder, tp=8)
+    assert info.value.field == "layout.tp"
+
+
+def assert_same_logits(folder: Path) -> None:
+    spec = spec_from(folder)
+    model = build_meta(spec.model)
+    materialize([model], torch.device("cpu"), PretrainedWeights(folder, spec.train.seed))
+    ids = torch.randint(0, spec.model.vocab_size, (2, spec.model.seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids), reference(folder)(ids).logits
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+
+
+def test_its_logits_are_those_of_transformers(llama_folder: Path) -> None:
+    assert_same_logits(llama_folder)
+
+
+def test_tied_embeddings_start_the_output_head_from_the_embedding(tiny_data: DataConfig, tmp_path: Path) -> None:
+    folder = save_llama(tmp_path, Path(tiny_data.tokenizer).parent, tied=True)
+    assert not any(name.startswith("lm_head") for name in json.loads((folder / INDEX_FILE).read_text())["weight_map"])
+    assert_same_logits(folder)
+
+
+def test_each_rank_of_a_dp2_tp2_zero3_layout_reads_its_shards_of_the_folder(llama_folder: Path, tmp_path: Path) -> None:
+    reports = materialize_under(spec_from(llama_folder, dp=2, tp=2, zero=3), tmp_path)
+    assert all(r["differ"] == [] for r in reports), [r["differ"] for r in reports]
+    assert len({name for r in reports for name in r["held"]}) == 2 * 9 + 3
+
+
+def test_a_dp2_tp2_run_starts_at_the_loss_transformers_computes(
+    llama_folder: Path, tiny_data: DataConfig, tmp_path: Path
+) -> None:
+    spec = spec_from(llama_folder, dataset=tiny_data.dataset, dp=2, tp=2)
+    spec.train.steps = 1
+    spec.train.warmup_steps = 1
+    first_loss = step_values(launch(spec, tmp_path / "run", TIMEOUT))[1]  # the forward before the first update
+
+    data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, tmp_path / "data")
+    windows = TokenWindows(data.tokens(), spec.model.seq_len)
+    # The step's global batch: what the two dp ranks draw together, in one piece.
+    sampler = ShardedSampler(windows.num_samples, spec.train.global_batch, 0, 1, spec.train.seed)
+    inputs, targets = windows.batch(sampler.next_indices())
+    with torch.no_grad():
+        logits = reference(llama_folder)(inputs).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).item()
+    assert abs(first_loss - expected) <= TOLERANCE, (first_loss, expected)
+
+
+def test_a_spec_model_section_is_replaced_by_the_folders(llama_folder: Path) -> None:
+    spec = tiny()
+    spec.model = ModelConfig(n_layers=8, dim=256, n_heads=8, n_kv_heads=8, vocab_size=1024, seq_len=32)
+    spec.data = DataConfig(pretrained=str(llama_folder))
+    resolved = resolve(spec)
+    assert (resolved.model.n_layers, resolved.model.dim, resolved.model.seq_len) == (2, 128, 32)
