@@ -87,7 +87,7 @@ def deployment_page(request: HttpRequest, deployment_id: int) -> HttpResponse:
 def webhooks_page(request: HttpRequest) -> HttpResponse:
     """The caller's webhooks with their recent deliveries, so a receiver that fails is noticed.
     Rendered here rather than by a module: the page only reads."""
-    webhooks = list(Webhook.objects.filter(owner=request.user))
+    webhooks = list(Webhook.objects.filter(owner_id=request.user.pk))
     for webhook in webhooks:
         webhook.recent = list(webhook.deliveries.all()[:WEBHOOK_DELIVERIES_SHOWN])  # type: ignore[attr-defined]
     return render(request, "dashboard/webhooks.html", {"webhooks": webhooks})
