@@ -13,7 +13,7 @@ from pathlib import Path
 
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.exceptions import NotFound
 from rest_framework.generics import get_object_or_404
 from rest_framework.request import Request
@@ -76,7 +76,12 @@ class CheckpointExportDownload(APIView):
     """`GET /api/runs/<id>/checkpoints/<checkpoint_id>/export.tar`: the checkpoint's Hugging Face
     export folder (config, tokenizer, safetensors). 409 when it has no export here."""
 
-    @extend_schema(responses={(200, "application/x-tar"): OpenApiTypes.BINARY})
+    @extend_schema(
+        responses={
+            (200, "application/x-tar"): OpenApiTypes.BINARY,
+            409: OpenApiResponse(OpenApiTypes.OBJECT, description="No export to send; `export_path` says why."),
+        }
+    )
     def get(self, request: Request, run_id: int, checkpoint_id: int) -> StreamingHttpResponse:
         checkpoint = get_object_or_404(
             Checkpoint.objects.filter(run__owner_id=request.user.pk, run_id=run_id), pk=checkpoint_id
