@@ -73,6 +73,7 @@ INSTALLED_APPS = [
     "runs",
     "deployments",
     "hosts",
+    "notifications",
     "dashboard",
 ]
 

@@ -14,6 +14,7 @@ urlpatterns = [
     path("api/", include("runs.urls")),
     path("api/", include("deployments.urls")),
     path("api/", include("hosts.urls")),
+    path("api/", include("notifications.urls")),
     path("", include("dashboard.urls")),
 ]
 

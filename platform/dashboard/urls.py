@@ -12,5 +12,6 @@ urlpatterns = [
     path("deployments", views.deployments_page, name="deployments-page"),
     path("deployments/<int:deployment_id>", views.deployment_page, name="deployment-page"),
     path("hosts", views.hosts_page, name="hosts-page"),
+    path("settings/webhooks", views.webhooks_page, name="webhooks-page"),
     path("dashboard/sparklines/", views.sparklines, name="dashboard-sparklines"),
 ]

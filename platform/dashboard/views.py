@@ -16,6 +16,7 @@ from django.shortcuts import get_object_or_404, render
 
 from dashboard.launch_form import GROUPS
 from deployments.models import Deployment
+from notifications.models import Webhook
 from runs.models import Run, RunEvent
 from training.config import RECIPES
 from training.planner.layout_costs import DEVICES
@@ -24,6 +25,8 @@ from training.planner.layout_costs import DEVICES
 SPARKLINE_POINTS = 60
 # The runs list asks for at most this many sparklines at once (one page of the API's list).
 SPARKLINE_RUNS = 100
+# Deliveries shown per webhook on its settings page; the API lists more.
+WEBHOOK_DELIVERIES_SHOWN = 10
 
 
 @login_required
@@ -78,6 +81,16 @@ def deployment_page(request: HttpRequest, deployment_id: int) -> HttpResponse:
     )
     page = {"id": deployment.pk, "status": deployment.status, "model": deployment.served_model_name}
     return render(request, "dashboard/deployment.html", {"deployment": deployment, "deployment_page": page})
+
+
+@login_required
+def webhooks_page(request: HttpRequest) -> HttpResponse:
+    """The caller's webhooks with their recent deliveries, so a receiver that fails is noticed.
+    Rendered here rather than by a module: the page only reads."""
+    webhooks = list(Webhook.objects.filter(owner_id=request.user.pk))
+    for webhook in webhooks:
+        webhook.recent = list(webhook.deliveries.all()[:WEBHOOK_DELIVERIES_SHOWN])  # type: ignore[attr-defined]
+    return render(request, "dashboard/webhooks.html", {"webhooks": webhooks})
 
 
 @login_required

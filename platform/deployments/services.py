@@ -17,6 +17,7 @@ from controlplane.queue import enqueue_on_commit
 from deployments.models import ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
 from hosts.models import DeviceClaim
+from notifications.services import DEPLOYMENT_EVENTS, notify_on_commit
 from runs import exports
 from runs.models import Checkpoint
 from serving.export_store import ExportStoreError
@@ -115,6 +116,8 @@ def do_set_status(
             DeviceClaim.objects.filter(deployment=deployment).delete()
         if event is not None:
             do_record(deployment, event, data or {})
+        if status in DEPLOYMENT_EVENTS:
+            notify_on_commit(deployment.owner_id, DEPLOYMENT_EVENTS[status], {"deployment": deployment.pk})
     deployment.refresh_from_db()
     return True
 

@@ -32,6 +32,7 @@ from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
 from hosts import capacity
 from hosts.models import Host
+from notifications.services import RUN_EVENTS, notify_on_commit
 from runs import launcher
 from runs.models import Checkpoint, Dataset, Run, RunEvent
 from training.checkpoint_storage import is_committed_at
@@ -491,6 +492,9 @@ def _record(run: Run, kind: str, data: dict[str, Any], *, publish: bool = True) 
     )
     if publish:
         publish_on_commit(run_group(run.pk), [event.as_message()])
+    if kind == "status" and data["status"] in RUN_EVENTS:
+        # Every status change is recorded here: the one place the owner's webhooks hear of it.
+        notify_on_commit(run.owner_id, RUN_EVENTS[data["status"]], {"run": run.pk})
     return event
 
 

@@ -1,6 +1,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
+from runs.downloads import CheckpointExportDownload, RunLogsDownload
 from runs.plan import PlanView
 from runs.views import CheckpointViewSet, DatasetViewSet, RunEventsView, RunViewSet
 
@@ -11,6 +12,12 @@ router.register("checkpoints", CheckpointViewSet, basename="checkpoint")
 
 urlpatterns = [
     path("runs/<int:run_id>/events/", RunEventsView.as_view(), name="run-events"),
+    path("runs/<int:run_id>/logs.tar", RunLogsDownload.as_view(), name="run-logs-tar"),
+    path(
+        "runs/<int:run_id>/checkpoints/<int:checkpoint_id>/export.tar",
+        CheckpointExportDownload.as_view(),
+        name="checkpoint-export-tar",
+    ),
     path("plan/", PlanView.as_view(), name="plan"),
     path("", include(router.urls)),
 ]

@@ -71,7 +71,15 @@ export class Checkpoints {
       : null;
     const exportCell =
       state === "exported"
-        ? [h("span", { class: "badge status-succeeded" }, "exported"), " ", h("span", { class: "path" }, checkpoint.export_path)]
+        ? [
+            h("span", { class: "badge status-succeeded" }, "exported"),
+            " ",
+            h("span", { class: "path" }, checkpoint.export_path),
+            // A local export streams from the API as a tar; one on object storage is fetched from there.
+            ...(checkpoint.id != null && !checkpoint.export_path.includes("://")
+              ? [" ", h("a", { class: "export-download", href: `/api/runs/${this.runId}/checkpoints/${checkpoint.id}/export.tar`, download: true }, "Download (.tar)")]
+              : []),
+          ]
         : state === "pruned"
           ? h("span", { class: "badge status-pruned", title: "Deleted by the trainer: train.keep_checkpoints" }, "pruned")
           : h("span", { class: "muted" }, "not exported");
