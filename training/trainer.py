@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -180,20 +181,27 @@ class Trainer:
                 loss = _micro_batch_loss(m.parts[0](inputs), targets, self.loss_scale)
             loss.backward()
             return loss.detach()
-        losses: list[torch.Tensor] = []
-        # return_outputs=False: otherwise the last stage keeps every micro-batch's logits (batch ×
-        # seq × vocab each) until the step ends, to hand them back merged; only the losses are used.
-        with self._autocast():
-            if m.has_first_stage:
-                target = targets if m.has_last_stage else None
-                m.schedule.step(inputs, target=target, losses=losses, return_outputs=False)
-            elif m.has_last_stage:
-                m.schedule.step(target=targets, losses=losses, return_outputs=False)
-            else:
-                m.schedule.step(return_outputs=False)
+        losses = self._through_stages(m.schedule.step, inputs, targets)
         if not m.has_last_stage:
             return torch.zeros((), device=self.device.torch_device)
         return torch.stack(losses).sum().detach()  # each already scaled by loss_scale
+
+    def _through_stages(self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """One pass of the pipeline schedule (`run`: its `step` or `eval`) on this rank's stages:
+        the inputs enter at the first stage, the targets at the last; returns the last stage's
+        per-micro-batch losses (empty elsewhere)."""
+        m = self.model
+        losses: list[torch.Tensor] = []
+        # return_outputs=False: otherwise the last stage keeps every micro-batch's logits (batch ×
+        # seq × vocab each) until the pass ends, to hand them back merged; only the losses are used.
+        with self._autocast():
+            if m.has_first_stage:
+                run(inputs, target=targets if m.has_last_stage else None, losses=losses, return_outputs=False)
+            elif m.has_last_stage:
+                run(target=targets, losses=losses, return_outputs=False)
+            else:
+                run(return_outputs=False)
+        return losses
 
     # --- Evaluation ----------------------------------------------------------------------------
 
@@ -210,15 +218,7 @@ class Trainer:
             with self._autocast():
                 loss_sum = token_loss_sum(m.parts[0](inputs), targets)
             return torch.stack([loss_sum.double(), counted])
-        losses: list[torch.Tensor] = []
-        with self._autocast():
-            if m.has_first_stage:
-                target = targets if m.has_last_stage else None
-                m.schedule.eval(inputs, target=target, losses=losses, return_outputs=False)
-            elif m.has_last_stage:
-                m.schedule.eval(target=targets, losses=losses, return_outputs=False)
-            else:
-                m.schedule.eval(return_outputs=False)
+        losses = self._through_stages(m.schedule.eval, inputs, targets)
         if not m.has_last_stage:
             return torch.zeros(2, dtype=torch.float64, device=self.device.torch_device)
         # The schedule's loss function gives each micro-batch's mean over its counted targets
