@@ -215,4 +215,7 @@ def test_a_run_trains_with_the_tokenizer_of_an_earlier_run_of_its_owner(alice, l
     used = (Run.objects.get(pk=second["id"]).tokenizer_dir / "tokenizer.json").read_bytes()
     assert used == given
     written = json.loads((run_folder(second["id"]) / "spec.json").read_text())["data"]
-    assert written == {"dataset": "", "tokenizer": str(Run.objects.get(pk=first["id"]).tokenizer_dir)}
+    assert written == {
+        "dataset": "", "tokenizer": str(Run.objects.get(pk=first["id"]).tokenizer_dir), "storage": "",
+        "validation_dataset": "", "validation_fraction": 0.0, "pretrained": "",
+    }  # fmt: skip
