@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -173,6 +174,10 @@ class Checkpointer:
         self.on_commit = on_commit
         self.distributed = dist.is_available() and dist.is_initialized()
         self.pending: _PendingSave | None = None
+        # What a rank told to stop waits for: the lock is held while a synchronous save writes and
+        # commits; the future is the newest background save's (kept after `pending` is cleared).
+        self._writing = threading.Lock()
+        self._background_write: Future[None] | None = None
         self.async_group: dist.ProcessGroup | None = None
         if spec.train.async_checkpoint:
             # dcp.async_save's collectives run on a background thread; sharing the default group
@@ -221,6 +226,10 @@ class Checkpointer:
             # nobody else is deleting this one.
             self._save_in_background(step, staging, trainer_state)
             return
+        with self._writing:
+            self._save_now(step, staging, trainer_state)
+
+    def _save_now(self, step: int, staging: Path | str, trainer_state: dict[str, Any]) -> None:
         if self.rank == 0:
             self._clear(step, staging)
         self._barrier()  # nobody writes into the folder while rank 0 may still be deleting it
@@ -299,7 +308,8 @@ class Checkpointer:
                 if self.on_commit is not None:
                     self.on_commit(step, self.location(step))
 
-        self.pending = _PendingSave(step, response.staging_completion, self._finisher.submit(finish))
+        self._background_write = self._finisher.submit(finish)
+        self.pending = _PendingSave(step, response.staging_completion, self._background_write)
 
     def wait_for_staging(self) -> None:
         """Blocks until a background save has copied the state; call before each optimizer step."""
@@ -315,6 +325,16 @@ class Checkpointer:
         """Blocks until a background save is written and committed."""
         if self.pending is not None:
             self._finish_pending()
+
+    def finish_writing(self) -> None:
+        """Blocks until no save is being written: one under way, synchronous or in the background,
+        is committed first (or has failed). Safe from another thread while the rank trains on; a
+        save started after the call is not waited for."""
+        with self._writing:
+            background = self._background_write
+        if background is not None:
+            with contextlib.suppress(BaseException):  # its failure is the training thread's to report
+                background.result()
 
     def close(self) -> None:
         """Waits for a background save, then stops the background threads."""

@@ -7,6 +7,7 @@ Each `FaultSpec` fires inside a rank, from the training hooks, at a chosen step:
 | `kill_rank`              | global rank `rank`                   | start of step `step`        | SIGKILL itself           |
 | `hang_rank`              | global rank `rank`                   | start of step `step`        | SIGSTOP itself (frozen)  |
 | `kill_during_checkpoint` | global rank `rank`                   | the commit of step `step`   | SIGKILL itself, after its shards are written and before the commit |
+| `slow_checkpoint`        | global rank `rank`                   | the commit of step `step`   | waits 5 s there: a save still being written (e.g. when a cancel arrives) |
 | `kill_agent`             | local rank 0 on node `node`          | start of step `step`        | SIGKILL its node agent   |
 
 `once` faults fire at most once per run, not once per process: a resumed run replays the steps
@@ -30,6 +31,9 @@ from typing import Any
 from training.config import FaultSpec
 from training.run_dir import RunDir
 
+CHECKPOINT_FAULTS = ("kill_during_checkpoint", "slow_checkpoint")
+SLOW_CHECKPOINT_SECONDS = 5.0
+
 
 class FaultHook:
     """TrainHook that fires the faults of `faults` that belong to this rank."""
@@ -47,7 +51,7 @@ class FaultHook:
 
     def on_step_start(self, step: int) -> None:
         for fault in self._mine:
-            if fault.kind != "kill_during_checkpoint" and fault.step == step and self._claim(fault):
+            if fault.kind not in CHECKPOINT_FAULTS and fault.step == step and self._claim(fault):
                 _fire(fault)
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
@@ -55,7 +59,7 @@ class FaultHook:
 
     def before_checkpoint_commit(self, step: int, staging_dir: Path | str) -> None:
         for fault in self._mine:
-            if fault.kind == "kill_during_checkpoint" and fault.step == step and self._claim(fault):
+            if fault.kind in CHECKPOINT_FAULTS and fault.step == step and self._claim(fault):
                 _fire(fault)
 
     def close(self) -> None:
@@ -87,5 +91,7 @@ def _fire(fault: FaultSpec) -> None:
         signal.pause()
     elif fault.kind == "hang_rank":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.kind == "slow_checkpoint":
+        time.sleep(SLOW_CHECKPOINT_SECONDS)
     else:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -13,9 +13,11 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn
 
 import numpy as np
@@ -143,6 +145,7 @@ def run(spec: RunSpec, run_dir: Path) -> None:
         events=events,
         device=device,
     )
+    stop_after_saving(trainer)
     trainer.fit()
     if events is not None:
         events.close()
@@ -159,6 +162,34 @@ def shutdown(exit_code: int) -> None:
             dist.barrier()
         dist.destroy_process_group()
     os._exit(exit_code)
+
+
+# Set by SIGTERM (the agent cancelling the run); the stop thread then ends the process.
+_stopping = threading.Event()
+
+
+def stop_after_saving(trainer: Trainer) -> None:
+    """On SIGTERM the rank leaves once the checkpoint it is writing is committed, instead of
+    tearing it: a cancelled run keeps the newest checkpoint it began.
+
+    The wait runs on its own thread while training goes on, so the collectives of a save under way
+    keep meeting their peers, which the same signal reaches. A peer that leaves first breaks the
+    training thread's next collective; `main` then parks that thread instead of exiting. The
+    agent's cancel grace bounds the wait: what still runs then gets SIGKILL. (Restarts stop ranks
+    with SIGKILL and never wait.)"""
+
+    def finish_then_exit() -> None:
+        trainer.checkpointer.finish_writing()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        if not _stopping.is_set():
+            _stopping.set()
+            threading.Thread(target=finish_then_exit, name="fathom-stop", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def fail_for_good(error: NonRetryable) -> NoReturn:
@@ -184,7 +215,10 @@ def main(argv: list[str] | None = None) -> None:
         run(spec, args.run_dir)
     except NonRetryable as exc:
         fail_for_good(exc)
-    except BaseException:
+    except BaseException as exc:
+        if _stopping.is_set():  # a peer stopped first; the stop thread exits once the save is committed
+            print(f"fathom: stopping ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+            threading.Event().wait()
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # a failed rank must not wait on peers in teardown; torchrun restarts the job

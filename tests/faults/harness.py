@@ -214,13 +214,16 @@ def training_spec(
     faults: list[dict[str, Any]] | None = None,
     nodes: dict[str, Any] | None = None,
     dp: int = 2,
+    async_checkpoint: bool = False,
 ) -> RunSpec:
     """The tiny recipe cut to seconds per run: 4 layers, dim 64, seq 32, two data-parallel ranks."""
     data = tiny(dp=dp).to_dict()
     data["model"]["seq_len"] = 32
-    # Synchronous saves: these tests assert which checkpoint a fault at a given step resumes from,
-    # which a background save committing a few steps later (on a busy host) would make a race.
-    data["train"].update(steps=steps, checkpoint_interval=checkpoint_interval, warmup_steps=2, async_checkpoint=False)
+    # Synchronous saves unless asked: these tests assert which checkpoint a fault at a given step
+    # resumes from, which a background save committing a few steps later (on a busy host) would make a race.
+    data["train"].update(
+        steps=steps, checkpoint_interval=checkpoint_interval, warmup_steps=2, async_checkpoint=async_checkpoint
+    )
     # Tests wait 2 s for a silent rank instead of production's 10 s.
     data["nodes"].update({"heartbeat_timeout": 2.0, **(nodes or {})})
     data["faults"] = faults or []

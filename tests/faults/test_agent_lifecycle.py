@@ -31,6 +31,23 @@ def test_sigterm_cancels_the_run_stops_its_ranks_and_keeps_the_last_checkpoint(a
     assert [read_beat(b) for b in beats] == before  # no rank is left beating
 
 
+@pytest.mark.parametrize("async_checkpoint", [False, True], ids=["synchronous", "background"])
+def test_a_cancel_while_a_checkpoint_is_written_waits_for_its_commit(
+    agents: Agents, tmp_path: Path, async_checkpoint: bool
+) -> None:
+    # Rank 0 takes 5 s over the commit of step 8: the cancel arrives while the save is under way.
+    slow_save = {"kind": "slow_checkpoint", "rank": 0, "step": 8}
+    spec = training_spec(steps=400, checkpoint_interval=4, async_checkpoint=async_checkpoint, faults=[slow_save])
+    run = agents.start(spec, tmp_path / "run")
+    wait_for(lambda: any((run.run_dir / "faults").glob("*.fired")), 120, "the slow save of step 8")
+    run.process.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == ExitCode.CANCELLED, run.tail()
+
+    assert run.events[-1]["kind"] == "cancelled"
+    assert run.events[-1]["data"]["step"] == RunDir(run.run_dir).latest_committed_step() == 8
+    assert [c["step"] for c in run.of_kind("checkpoint")] == [4, 8]
+
+
 def test_a_cancel_file_in_the_run_folder_cancels_the_run(agents: Agents, tmp_path: Path) -> None:
     run = agents.start(training_spec(steps=400, checkpoint_interval=4), tmp_path / "run")
     wait_for(lambda: bool(run.of_kind("metrics")), 120, "the first step")
