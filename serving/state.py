@@ -7,10 +7,9 @@
         supervisor.log          the supervisor's own output
         logs/replica-<N>.log    vLLM's output, per replica, across restarts
         tmp/, vllm-cache/       the replicas' temporary files and vLLM's cache (serving.vllm)
-        events.offset           the control plane: how far it has stored events.jsonl
         metrics.previous.json   the control plane: the counters of its last metrics scrape
         hosts/<HOST>/           a deployment placed on hosts: one supervisor per host, each with
-                                its own deployment.json … events.offset in this layout
+                                its own deployment.json … logs/ in this layout
 
 A deployment's replicas spread over several hosts run under one supervisor per host, each writing
 its own folder under hosts/ (its replicas keep the deployment's numbering); `read_state` and
@@ -18,7 +17,8 @@ its own folder under hosts/ (its replicas keep the deployment's numbering); `rea
 
 The supervisor writes state and events (`write_state`, `append_event`); the control plane and
 the routers read them (`read_state`, `read_events`). Which replicas may take requests is
-`DeploymentState.routable()`, the one rule every router and the control plane follow.
+`DeploymentState.routable()`, the one rule every router and the control plane follow. How much
+of each events file the control plane has stored is its own to keep (in the deployment's row).
 """
 
 from __future__ import annotations
@@ -75,11 +75,6 @@ class DeploymentDir:
     def on_host(self, host: str) -> DeploymentDir:
         """The folder of the supervisor that runs the deployment's replicas on `host`."""
         return DeploymentDir(self.hosts_dir / host)
-
-    @property
-    def events_offset_file(self) -> Path:
-        """How many bytes of the events file the control plane has stored."""
-        return self.path / "events.offset"
 
     @property
     def metrics_previous_file(self) -> Path:

@@ -36,6 +36,11 @@ class Deployment(models.Model):
     supervisor_pid = models.IntegerField(null=True, blank=True)
     last_seq = models.BigIntegerField(default=0)
     last_report_at = models.DateTimeField(null=True, blank=True)
+    # How many bytes of each supervisor's events file are stored as events, by the supervisor
+    # folder's path under the deployment folder ("." or "hosts/<host>"). In the row, so storing
+    # events and moving the offset commit together: a sync that overlaps another or dies halfway
+    # stores no event twice.
+    event_offsets = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -132,24 +132,24 @@ def sync(deployment: Deployment) -> None:
 
     Rows change before the events that announce them are stored, in one transaction: events are
     published after it commits, so a page that reads the deployment on an event sees the state
-    the event describes."""
-    events: list[Any] = []
-    offsets: list[tuple[Path, int]] = []
-    for folder in supervisor_dirs(deployment.folder):
-        offset_file = folder.events_offset_file
-        offset = int(offset_file.read_text()) if offset_file.exists() else 0
-        new_events, new_offset = read_events(folder.path, offset)
-        events += new_events
-        if new_offset != offset:
-            offsets.append((offset_file, new_offset))
-    state = read_state(deployment.folder)
+    the event describes. The transaction holds the deployment's row, where the events offsets
+    are kept: syncs that overlap (the periodic one and a stop's) store each event once."""
     ready: list[Any] = []
     with transaction.atomic():
+        offsets = Deployment.objects.select_for_update().values_list("event_offsets", flat=True).get(pk=deployment.pk)
+        events: list[Any] = []
+        for folder in supervisor_dirs(deployment.folder):
+            name = str(folder.path.relative_to(deployment.folder))
+            new_events, offsets[name] = read_events(folder.path, offsets.get(name, 0))
+            events += new_events
+        state = read_state(deployment.folder)
         if state is not None:
             mirror_replicas(deployment, state.replicas)
             ready = state.routable()
         for event in events:
             services.do_record(deployment, event.kind, {k: v for k, v in event.to_dict().items() if k not in ("kind", "at")})
+        if events:
+            Deployment.objects.filter(pk=deployment.pk).update(event_offsets=offsets)
         if state is not None and not state.stopping:
             new_status = (
                 Deployment.Status.READY if len(ready) == len(state.replicas)
@@ -162,8 +162,6 @@ def sync(deployment: Deployment) -> None:
                     deployment, new_status, only_from=[s for s in serving if s != new_status],
                     data={"status": new_status, "ready": len(ready), "replicas": len(state.replicas)},
                 )  # fmt: skip
-    for offset_file, new_offset in offsets:
-        offset_file.write_text(str(new_offset))
     if ready:
         services.do_record(deployment, "metrics", scrape(deployment.folder, [r.url for r in ready if r.url]))
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import threading
 
 import pytest
+from django.db import connection
 
 from deployments import supervision
 from deployments.models import Deployment, Replica
 from deployments.tasks import reconcile_deployments
 from runs.models import Checkpoint, Run
-from serving.state import DeploymentState, ReplicaState
+from serving.state import DeploymentDir, DeploymentState, ReplicaEvent, ReplicaState, append_event
 
 pytestmark = pytest.mark.django_db
 
@@ -61,6 +63,36 @@ def test_sync_marks_a_deployment_ready_with_one_status_event_when_every_replica_
     status_events = list(deployment.events.filter(kind="status").values_list("data", flat=True))
     assert status_events == [{"status": "ready", "ready": 1, "replicas": 1}]
     assert Replica.objects.get(deployment=deployment).status == "ready"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_overlapping_syncs_store_each_replica_event_once(alice, settings, tmp_path):
+    # The periodic sync and a stop's sync may run at once, in two worker processes.
+    settings.DEPLOYMENTS_DIR = tmp_path
+    deployment = make_deployment(alice, Deployment.Status.STARTING)
+    folder = DeploymentDir(deployment.folder)
+    folder.path.mkdir(parents=True)
+    for index in range(3):
+        append_event(folder, ReplicaEvent(kind="replica_starting", deployment="d", replica=index, at=0.0))
+    together = threading.Barrier(4)
+
+    def sync() -> None:
+        try:
+            together.wait()
+            supervision.sync(Deployment.objects.get(pk=deployment.pk))
+        finally:
+            connection.close()
+
+    syncs = [threading.Thread(target=sync) for _ in range(4)]
+    for thread in syncs:
+        thread.start()
+    for thread in syncs:
+        thread.join()
+    append_event(folder, ReplicaEvent(kind="replica_ready", deployment="d", replica=0, at=1.0))
+    supervision.sync(deployment)
+
+    stored = list(deployment.events.order_by("seq").values_list("kind", "data__replica"))
+    assert stored == [("replica_starting", 0), ("replica_starting", 1), ("replica_starting", 2), ("replica_ready", 0)]
 
 
 def test_stopping_a_stopped_deployment_is_refused_and_records_nothing(alice, alice_api):
