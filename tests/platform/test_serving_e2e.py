@@ -112,7 +112,10 @@ def test_a_trained_checkpoint_is_served_by_two_replicas_through_fathom(alice, li
             lambda e: any(x["kind"] == "metrics" and x["data"].get("tokens_per_s", 0) > 0 for x in e), 60,
             "serving metrics with tokens/s",
         )
-        assert sum(e["kind"] == "replica_ready" for e in events) == 2
+        # Each replica announced ready once (a replica that missed health checks under load and
+        # recovered adds a "healthy again" one).
+        first_ready = [e["data"]["replica"] for e in events if e["kind"] == "replica_ready" and not e["data"]["message"]]
+        assert sorted(first_ready) == [0, 1]
     finally:
         api.post(f"/api/deployments/{deployment_id}/stop/")
         wait_for(lambda: Deployment.objects.get(pk=deployment_id).status, lambda s: s == "stopped", 180, "the stop")
