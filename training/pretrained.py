@@ -89,16 +89,43 @@ def resolve(spec: RunSpec) -> RunSpec:
     """
     if not spec.data.pretrained:
         return spec
-    folder = Path(spec.data.pretrained)
+    return RunSpec.from_dict(resolved_dict(spec.to_dict()))
+
+
+def resolved_dict(data: dict[str, Any]) -> dict[str, Any]:
+    """`resolve` on a spec as plain data (`RunSpec.to_dict`'s), before it is checked as a RunSpec:
+    the control plane checks a user's layout against the folder's model, not the recipe's."""
+    folder = Path(data["data"]["pretrained"])
     tokenizer = folder / "tokenizer.json"
     if not tokenizer.is_file():
         raise SpecError(FIELD, f"{folder} has no tokenizer.json")
-    if spec.data.tokenizer and Path(spec.data.tokenizer) not in (tokenizer, folder):
-        raise SpecError("data.tokenizer", f"a run from {FIELD} uses the folder's tokenizer; got {spec.data.tokenizer}")
-    data = spec.to_dict()
-    data["model"] = dataclasses.asdict(model_config(folder, spec.model.seq_len))
-    data["data"] = {**data["data"], "tokenizer": str(tokenizer)}
-    return RunSpec.from_dict(copy.deepcopy(data))
+    given = data["data"].get("tokenizer")
+    if given and Path(given) not in (tokenizer, folder):
+        raise SpecError("data.tokenizer", f"a run from {FIELD} uses the folder's tokenizer; got {given}")
+    resolved = copy.deepcopy(data)
+    resolved["model"] = dataclasses.asdict(model_config(folder, data["model"]["seq_len"]))
+    resolved["data"]["tokenizer"] = str(tokenizer)
+    return resolved
+
+
+def check_folder(folder: Path) -> ModelConfig:
+    """The model of a folder being registered, once its files are known to be there: config,
+    tokenizer and every weights file its index names. Torch-free (the control plane calls it)."""
+    if not (folder / "tokenizer.json").is_file():
+        raise SpecError(FIELD, f"{folder} has no tokenizer.json")
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SpecError(FIELD, f"{index} is not a safetensors index: {exc}") from None
+        missing = sorted(name for name in files if not (folder / name).is_file())
+        if missing:
+            raise SpecError(FIELD, f"{folder} lacks {', '.join(missing)}, which {INDEX_FILE} names")
+    elif not (folder / SINGLE_FILE).is_file():
+        raise SpecError(FIELD, f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    config = _config(folder)
+    return model_config(folder, int(config.get("max_position_embeddings") or 2048))
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:

@@ -22,10 +22,11 @@ FRONTEND_DIR = REPO_DIR / "frontend"
 
 DATA_DIR = Path(env_str("FATHOM_DATA_DIR", str(REPO_DIR / "var"))).resolve()
 DATASETS_DIR = DATA_DIR / "datasets"
+PRETRAINED_DIR = DATA_DIR / "pretrained"
 RUNS_DIR = DATA_DIR / "runs"
 DEPLOYMENTS_DIR = DATA_DIR / "deployments"
 LOGS_DIR = DATA_DIR / "logs"
-for _folder in (DATA_DIR, DATASETS_DIR, RUNS_DIR, DEPLOYMENTS_DIR, LOGS_DIR, DATA_DIR / "static"):
+for _folder in (DATA_DIR, DATASETS_DIR, PRETRAINED_DIR, RUNS_DIR, DEPLOYMENTS_DIR, LOGS_DIR, DATA_DIR / "static"):
     _folder.mkdir(parents=True, exist_ok=True)
 
 # Where runs keep their checkpoints (fsspec URL, `training.storage`): the data dir itself by
@@ -196,6 +197,8 @@ NODE_SILENT_SECONDS = env_float("FATHOM_NODE_SILENT_AFTER", 15.0)
 NODE_WATCH_SECONDS = env_float("FATHOM_NODE_WATCH_INTERVAL", 5.0)
 CELERY_BEAT_SCHEDULE["watch-node-reports"] = {"task": "runs.tasks.watch_node_reports", "schedule": NODE_WATCH_SECONDS}
 MAX_DATASET_BYTES = env_int("FATHOM_MAX_DATASET_BYTES", 512 * 1024 * 1024)
+# Every file of an uploaded pretrained model together; larger ones an administrator registers in place.
+MAX_PRETRAINED_BYTES = env_int("FATHOM_MAX_PRETRAINED_BYTES", 4 * 1024 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("FATHOM_MAX_REQUEST_BYTES", 16 * 1024 * 1024)
 FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
 # The interpreter that runs node agents and ranks: this one unless a deployment says otherwise.

@@ -1,11 +1,16 @@
 from django.contrib import admin
 
-from runs.models import Checkpoint, Dataset, Run, RunEvent
+from runs.models import Checkpoint, Dataset, PretrainedModel, Run, RunEvent
 
 
 @admin.register(Dataset)
 class DatasetAdmin(admin.ModelAdmin):
     list_display = ["name", "owner", "format", "records", "size_bytes", "created_at"]
+
+
+@admin.register(PretrainedModel)
+class PretrainedModelAdmin(admin.ModelAdmin):
+    list_display = ["name", "owner", "path", "size_bytes", "created_at"]
 
 
 @admin.register(Run)

@@ -33,6 +33,25 @@ class Dataset(models.Model):
         return self.name
 
 
+class PretrainedModel(models.Model):
+    """A Hugging Face Llama folder (config.json, safetensors, tokenizer) a run may start from,
+    owned like a dataset: uploaded by its owner, or a server folder an administrator registered."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="pretrained_models")
+    name = models.CharField(max_length=200)
+    path = models.CharField(max_length=1000, help_text="Absolute path of the folder on the server.")
+    size_bytes = models.BigIntegerField(default=0)
+    # The model section a run from it gets (training.config.ModelConfig, seq_len left out).
+    model = models.JSONField(default=dict)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class Run(models.Model):
     class Status(models.TextChoices):
         QUEUED = "queued"
@@ -59,6 +78,11 @@ class Run(models.Model):
         Dataset, null=True, blank=True, on_delete=models.PROTECT, related_name="validated_runs",
         help_text="One of the owner's datasets held out for evaluation (train.eval_interval); "
         "empty: data.validation_fraction of the dataset, or none.",
+    )  # fmt: skip
+    pretrained = models.ForeignKey(
+        PretrainedModel, null=True, blank=True, on_delete=models.PROTECT, related_name="runs",
+        help_text="One of the owner's pretrained models the run starts from (its model, tokenizer and "
+        "weights); empty: a model initialised from train.seed.",
     )  # fmt: skip
     spec = models.JSONField(
         help_text="The run's training.config.RunSpec as plain data, checked and resolved at submit "

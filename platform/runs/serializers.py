@@ -6,7 +6,7 @@ from rest_framework import serializers
 
 from controlplane.api import ModelSerializer, Text
 from runs import services
-from runs.models import Checkpoint, Dataset, Run, RunEvent
+from runs.models import Checkpoint, Dataset, PretrainedModel, Run, RunEvent
 from training.config import RECIPES
 
 
@@ -28,6 +28,35 @@ class DatasetSerializer(ModelSerializer):
             user,
             validated.get("name", ""),
             upload=validated.get("file"),
+            path=validated.get("path", ""),
+            by_administrator=user.is_staff,
+        )
+
+
+class PretrainedModelSerializer(ModelSerializer):
+    files = serializers.ListField(
+        child=serializers.FileField(),
+        write_only=True,
+        required=False,
+        help_text="The files of a Hugging Face Llama folder: config.json, tokenizer.json (with its configs) and "
+        "model.safetensors, or model.safetensors.index.json with the files it names.",
+    )
+    path = Text(
+        required=False, help_text="Administrators only: a Hugging Face Llama folder on the server, instead of uploads."
+    )
+    name = Text(required=False, allow_blank=True, max_length=200)
+
+    class Meta:
+        model = PretrainedModel
+        fields = ["id", "name", "files", "path", "size_bytes", "model", "created_at"]
+        read_only_fields = ["size_bytes", "model", "created_at"]
+
+    def create(self, validated: dict[str, Any]) -> PretrainedModel:
+        user = self.context["request"].user
+        return services.do_register_pretrained(
+            user,
+            validated.get("name", ""),
+            uploads=validated.get("files"),
             path=validated.get("path", ""),
             by_administrator=user.is_staff,
         )
@@ -63,13 +92,20 @@ class RunSerializer(ModelSerializer):
         help_text="One of your datasets (its id) held out for evaluation; empty: spec.data.validation_fraction "
         "of the dataset, or none.",
     )
+    pretrained = serializers.PrimaryKeyRelatedField(
+        queryset=PretrainedModel.objects.none(),
+        required=False,
+        allow_null=True,
+        help_text="One of your pretrained models (its id) the run starts from: its model, tokenizer and weights; "
+        "empty: a model initialised from spec.train.seed.",
+    )
     layout = serializers.CharField(source="layout_label", read_only=True)
     total_steps = serializers.IntegerField(read_only=True)
 
     class Meta:
         model = Run
         fields = [
-            "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "validation_dataset", "priority", "status", "status_reason", "layout", "step",
+            "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "validation_dataset", "pretrained", "priority", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
             "created_at", "started_at", "finished_at",
         ]
@@ -87,11 +123,12 @@ class RunSerializer(ModelSerializer):
             fields["dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
             fields["validation_dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
             fields["tokenizer_run"].queryset = Run.objects.filter(owner=request.user)  # type: ignore[attr-defined]
+            fields["pretrained"].queryset = PretrainedModel.objects.filter(owner=request.user)  # type: ignore[attr-defined]
         return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         attrs["run_spec"] = services.check_spec(
-            attrs.get("spec", {}), attrs.pop("recipe", "tiny"), attrs.get("validation_dataset")
+            attrs.get("spec", {}), attrs.pop("recipe", "tiny"), attrs.get("validation_dataset"), attrs.get("pretrained")
         )
         return attrs
 
@@ -105,6 +142,7 @@ class RunSerializer(ModelSerializer):
             validated.get("tokenizer_run"),
             priority=validated.get("priority", 0),
             validation_dataset=validated.get("validation_dataset"),
+            pretrained=validated.get("pretrained"),
         )
 
 
@@ -119,6 +157,9 @@ class CloneSerializer(serializers.Serializer):
     )
     validation_dataset = serializers.IntegerField(
         required=False, allow_null=True, help_text="One of your datasets (its id) held out for evaluation."
+    )
+    pretrained = serializers.IntegerField(
+        required=False, allow_null=True, help_text="One of your pretrained models (its id) the clone starts from."
     )
 
 

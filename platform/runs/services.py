@@ -34,7 +34,8 @@ from hosts import capacity
 from hosts.models import Host
 from notifications.services import RUN_EVENTS, notify_on_commit
 from runs import launcher
-from runs.models import Checkpoint, Dataset, Run, RunEvent
+from runs.models import Checkpoint, Dataset, PretrainedModel, Run, RunEvent
+from training import pretrained as pretrained_folders
 from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
 from training.storage import Storage, StorageError, check_storage, dataset_url, failure_reason, local_root
@@ -54,10 +55,17 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def check_spec(spec: dict[str, Any], recipe: str = "tiny", validation_dataset: Dataset | None = None) -> RunSpec:
+def check_spec(
+    spec: dict[str, Any],
+    recipe: str = "tiny",
+    validation_dataset: Dataset | None = None,
+    pretrained: PretrainedModel | None = None,
+) -> RunSpec:
     """A full RunSpec: the recipe's values, overridden by what the user gave, with the held-out
     dataset the run chose (its path, as `resolve_data` stores it), so the evaluation settings are
-    checked against the held-out data the run will have."""
+    checked against the held-out data the run will have. A run from a pretrained model takes its
+    model from the folder (only `model.seq_len` is the user's), and its layout is checked
+    against that model."""
     if recipe not in RECIPES:
         raise InvalidInput("recipe", f"must be one of {', '.join(RECIPES)}; got {recipe!r}")
     if not isinstance(spec, dict):
@@ -66,8 +74,23 @@ def check_spec(spec: dict[str, Any], recipe: str = "tiny", validation_dataset: D
     base = RECIPES[recipe]().to_dict()
     if validation_dataset is not None:
         base["data"]["validation_dataset"] = validation_dataset.path
+    merged = deep_merge(base, spec)
+    if pretrained is not None:
+        model = spec.get("model")
+        chosen = sorted(set(model) - {"seq_len"}) if isinstance(model, dict) else []
+        if chosen:
+            raise InvalidInput(
+                f"spec.model.{chosen[0]}",
+                f"a run from pretrained model {pretrained.pk} ({pretrained.name}) takes its model from it; "
+                "only spec.model.seq_len may be set",
+            )
+        merged["data"]["pretrained"] = pretrained.path
+        try:
+            merged = pretrained_folders.resolved_dict(merged)
+        except SpecError as exc:
+            raise InvalidInput("pretrained", f"pretrained model {pretrained.pk} ({pretrained.name}): {exc.message}") from None
     try:
-        return RunSpec.from_dict(deep_merge(base, spec))
+        return RunSpec.from_dict(merged)
     except SpecError as exc:
         raise InvalidInput(f"spec.{exc.field}", exc.message) from None
 
@@ -79,7 +102,7 @@ _DATA_OBJECT_FOR_PATH = {
     "tokenizer": 'reuse the tokenizer of one of your runs with the run\'s "tokenizer_run" field (a run id)',
     "storage": "the server chooses where checkpoints are kept (FATHOM_STORAGE_URL)",
     "validation_dataset": 'choose one of your datasets with the run\'s "validation_dataset" field (a dataset id)',
-    "pretrained": "a run starts from a pretrained model only as one an administrator registered",
+    "pretrained": 'start from one of your pretrained models with the run\'s "pretrained" field (a model id)',
 }
 
 
@@ -97,7 +120,11 @@ def _refuse_server_paths(spec: dict[str, Any]) -> None:
 
 
 def check_run_data(
-    spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None, validation_dataset: Dataset | None = None
+    spec: RunSpec,
+    dataset: Dataset | None,
+    tokenizer_run: Run | None,
+    validation_dataset: Dataset | None = None,
+    pretrained: PretrainedModel | None = None,
 ) -> None:
     """What can be known before launch about the data a run names: that the ranks can read it.
 
@@ -128,6 +155,15 @@ def check_run_data(
             raise InvalidInput(field, f"the file of dataset {chosen.pk} ({chosen.name}) is gone; upload it again") from None
         if size == 0 or not os.access(path, os.R_OK):
             raise InvalidInput(field, f"the file of dataset {chosen.pk} ({chosen.name}) is empty or unreadable")
+    if pretrained is not None and tokenizer_run is not None:
+        raise InvalidInput(
+            "tokenizer_run", f"a run from pretrained model {pretrained.pk} ({pretrained.name}) uses its tokenizer; leave this empty"
+        )
+    if pretrained is not None:
+        try:
+            pretrained_folders.check_folder(Path(pretrained.path))
+        except SpecError as exc:
+            raise InvalidInput("pretrained", f"pretrained model {pretrained.pk} ({pretrained.name}): {exc.message}") from None
     if tokenizer_run is not None:
         tokenizer_file = tokenizer_run.tokenizer_dir / "tokenizer.json"
         try:
@@ -274,6 +310,66 @@ def _store_dataset(target: Path, sha: str, *, removes_local: bool) -> str:
     return url
 
 
+# --- Pretrained models ------------------------------------------------------------------------
+
+# The files of a Hugging Face Llama folder a run reads; an upload holds these and nothing else.
+PRETRAINED_FILE_NAMES = re.compile(
+    r"^(config\.json|generation_config\.json|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
+    r"|model\.safetensors|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors)$"
+)
+
+
+def do_register_pretrained(
+    owner: Any, name: str, *, uploads: list[Any] | None = None, path: str = "", by_administrator: bool = False
+) -> PretrainedModel:
+    """Stores an uploaded Hugging Face Llama folder (its files, flat), or registers a server
+    folder (administrators only, as for datasets), once Fathom's decoder can compute its model."""
+    if bool(uploads) == bool(path):
+        raise InvalidInput("files", "give either the folder's files as uploads or (administrators only) a folder on the server")
+    if path and not by_administrator:
+        raise InvalidInput("path", "only administrators may register a server folder as a model; upload its files instead")
+    field = "path" if path else "files"
+    if uploads:
+        names = [Path(upload.name).name for upload in uploads]
+        wrong = [n for n in names if not PRETRAINED_FILE_NAMES.match(n)]
+        if wrong:
+            raise InvalidInput(
+                "files",
+                f"{wrong[0]} is not a file of a Hugging Face Llama folder; upload config.json, tokenizer.json (and its "
+                "tokenizer_config.json, special_tokens_map.json, generation_config.json) and model.safetensors or "
+                "model.safetensors.index.json with its model-NNNNN-of-NNNNN.safetensors",
+            )
+        if len(set(names)) != len(names):
+            raise InvalidInput("files", "holds one file name twice")
+        size = sum(upload.size for upload in uploads)
+        if size > settings.MAX_PRETRAINED_BYTES:
+            raise InvalidInput("files", f"are {size} bytes together; the limit is {settings.MAX_PRETRAINED_BYTES}")
+        folder = settings.PRETRAINED_DIR / secrets.token_hex(8)
+        folder.mkdir(parents=True)
+        for upload, file_name in zip(uploads, names, strict=True):
+            with (folder / file_name).open("wb") as out:
+                for chunk in upload.chunks():
+                    out.write(chunk)
+    else:
+        folder = Path(path) if Path(path).is_absolute() else settings.DATA_DIR / path
+        folder = folder.resolve()
+        if not folder.is_dir():
+            raise InvalidInput("path", f"no folder at {folder}")
+    try:
+        model = pretrained_folders.check_folder(folder)
+    except SpecError as exc:
+        if uploads:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise InvalidInput(field, exc.message) from None
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    described = {k: v for k, v in dataclasses.asdict(model).items() if k != "seq_len"}
+    # An upload's folder is named at random; a registered one was named by whoever put it there.
+    default_name = f"llama-{model.n_layers}x{model.dim}" if uploads else folder.name
+    return PretrainedModel.objects.create(
+        owner=owner, name=name or default_name, path=str(folder), size_bytes=size, model=described
+    )
+
+
 # --- Runs ------------------------------------------------------------------------------------
 
 
@@ -282,18 +378,27 @@ hash_token = launcher.hash_token
 
 
 def resolve_data(
-    spec: RunSpec, dataset: Dataset | None, tokenizer_run: Run | None, validation_dataset: Dataset | None = None
+    spec: RunSpec,
+    dataset: Dataset | None,
+    tokenizer_run: Run | None,
+    validation_dataset: Dataset | None = None,
+    pretrained: PretrainedModel | None = None,
 ) -> RunSpec:
     """The spec with the paths of the objects the run names, and only those: the dataset's file,
-    the tokenizer the other run's ranks keep in its folder and the held-out dataset's file. Empty:
-    the demo corpus, a tokenizer trained on the data, no second held-out file. The data
-    section's other settings (the validation fraction) are the user's and stay."""
+    the tokenizer the other run's ranks keep in its folder (or the pretrained folder's), the
+    held-out dataset's file and the pretrained folder. Empty: the demo corpus, a tokenizer trained
+    on the data, no second held-out file, a model initialised from the seed. The data section's
+    other settings (the validation fraction) are the user's and stay."""
+    tokenizer = str(tokenizer_run.tokenizer_dir) if tokenizer_run is not None else ""
+    if pretrained is not None:
+        tokenizer = str(Path(pretrained.path) / "tokenizer.json")
     data = DataConfig(
         dataset=dataset.path if dataset is not None else "",
-        tokenizer=str(tokenizer_run.tokenizer_dir) if tokenizer_run is not None else "",
+        tokenizer=tokenizer,
         storage=run_storage(),
         validation_dataset=validation_dataset.path if validation_dataset is not None else "",
         validation_fraction=spec.data.validation_fraction,
+        pretrained=pretrained.path if pretrained is not None else "",
     )
     return dataclasses.replace(spec, data=data)
 
@@ -307,19 +412,20 @@ def do_create_run(
     *,
     priority: int = 0,
     validation_dataset: Dataset | None = None,
+    pretrained: PretrainedModel | None = None,
 ) -> Run:
-    """Queues a run. `dataset` and `tokenizer_run` must be the owner's own: callers resolve ids among them.
+    """Queues a run. The objects it names must be the owner's own: callers resolve ids among them.
 
     The spec is stored resolved, data paths included: from here to the ranks nobody parses or
     fills it in again (the launcher writes it as stored)."""
-    check_run_data(spec, dataset, tokenizer_run, validation_dataset)
+    check_run_data(spec, dataset, tokenizer_run, validation_dataset, pretrained)
     check_fits_cluster(spec)
     check_run_storage()
-    resolved = resolve_data(spec, dataset, tokenizer_run, validation_dataset)
+    resolved = resolve_data(spec, dataset, tokenizer_run, validation_dataset, pretrained)
     with transaction.atomic():
         run = Run.objects.create(
             owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run,
-            validation_dataset=validation_dataset, priority=priority,
+            validation_dataset=validation_dataset, pretrained=pretrained, priority=priority,
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         enqueue_on_commit("runs.tasks.launch_run", run.pk)

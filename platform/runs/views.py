@@ -16,12 +16,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from runs import logs, services
-from runs.models import Checkpoint, Dataset, Run
+from runs.models import Checkpoint, Dataset, PretrainedModel, Run
 from runs.serializers import (
     CheckpointSerializer,
     CloneSerializer,
     DatasetSerializer,
     IngestSerializer,
+    PretrainedModelSerializer,
     RunEventSerializer,
     RunSerializer,
 )
@@ -71,6 +72,19 @@ class DatasetViewSet(
         return owned(self, Dataset.objects.all())
 
 
+class PretrainedModelViewSet(
+    mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    """Hugging Face Llama folders runs may start from, each its owner's, like datasets."""
+
+    serializer_class = PretrainedModelSerializer
+    # The folder's files arrive as one multipart upload; an administrator's server folder as JSON.
+    parser_classes = [MultiPartParser, JSONParser]
+
+    def get_queryset(self) -> QuerySet[PretrainedModel]:
+        return owned(self, PretrainedModel.objects.all())
+
+
 class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Training runs. Another user's run answers 404, as if it did not exist."""
 
@@ -110,11 +124,15 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         spec = {section: values for section, values in source.spec.items() if section != "data"}
         # The one data setting that is not a path: the share held out for evaluation.
         spec["data"] = {"validation_fraction": source.spec.get("data", {}).get("validation_fraction", 0.0)}
+        if edits.get("pretrained", source.pretrained_id) is not None:
+            # The model comes from the pretrained folder again; the training context stays the run's.
+            spec["model"] = {"seq_len": source.spec.get("model", {}).get("seq_len")}
         body: dict[str, Any] = {
             "name": edits.get("name") or f"{source.name} (clone)",
             "dataset": edits.get("dataset", source.dataset_id),
             "tokenizer_run": edits.get("tokenizer_run", source.tokenizer_run_id),
             "validation_dataset": edits.get("validation_dataset", source.validation_dataset_id),
+            "pretrained": edits.get("pretrained", source.pretrained_id),
             "spec": services.deep_merge(spec, edits.get("spec") or {}),
         }
         serializer = RunSerializer(data=body, context={"request": request})
@@ -136,8 +154,9 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         serializer.is_valid(raise_exception=True)
         checked = serializer.validated_data
         services.check_run_data(
-            checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"), checked.get("validation_dataset")
-        )
+            checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"), checked.get("validation_dataset"),
+            checked.get("pretrained"),
+        )  # fmt: skip
         services.check_fits_cluster(checked["run_spec"])
         services.check_run_storage()
         return Response({"spec": checked["run_spec"].to_dict()})

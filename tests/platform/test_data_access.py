@@ -24,7 +24,7 @@ pytestmark = pytest.mark.django_db
 
 PATH_FIELDS = ["dataset", "tokenizer", "pretrained"]
 # What each refusal points the user to instead of a path.
-INSTEAD = {"dataset": '"dataset"', "tokenizer": "tokenizer_run", "pretrained": "registered"}
+INSTEAD = {"dataset": '"dataset"', "tokenizer": "tokenizer_run", "pretrained": '"pretrained" field'}
 
 
 @pytest.fixture

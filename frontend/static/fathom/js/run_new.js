@@ -11,6 +11,9 @@ const recipeSelect = document.getElementById("f-recipe");
 const datasetSelect = document.getElementById("f-dataset");
 const tokenizerSelect = document.getElementById("f-tokenizer-run");
 const validationSelect = document.getElementById("f-validation-dataset");
+const pretrainedSelect = document.getElementById("f-pretrained");
+const modelFilesInput = document.getElementById("f-model-files");
+const modelFilesStatus = document.getElementById("f-model-files-status");
 const fileInput = document.getElementById("f-file");
 const fileStatus = document.getElementById("f-file-status");
 const summary = document.getElementById("form-errors");
@@ -87,6 +90,42 @@ async function upload() {
 
 fileInput.addEventListener("change", () => upload().catch(() => {}));
 
+// --- Pretrained models -------------------------------------------------------------------------
+
+function modelLabel(m) {
+  return `${m.name} · ${m.model.n_layers} layers · dim ${m.model.dim} · vocab ${m.model.vocab_size}`;
+}
+
+async function loadPretrained(select) {
+  const models = items(await api("/api/pretrained-models/"));
+  const current = select ?? pretrainedSelect.value;
+  pretrainedSelect.replaceChildren(
+    h("option", { value: "" }, "A new model (the recipe's sizes)"),
+    ...models.map((m) => h("option", { value: m.id }, modelLabel(m))),
+  );
+  pretrainedSelect.value = String(current ?? "");
+}
+
+async function uploadModel() {
+  const files = [...modelFilesInput.files];
+  if (!files.length) return;
+  clearError("files");
+  modelFilesStatus.textContent = `Uploading ${files.length} files…`;
+  const body = new FormData();
+  for (const file of files) body.append("files", file);
+  await pretrainedLoaded; // the first listing must not land after this upload's and unselect it
+  try {
+    const model = await api("/api/pretrained-models/", { method: "POST", form: body });
+    await loadPretrained(model.id);
+    modelFilesStatus.textContent = `Uploaded ${modelLabel(model)}.`;
+  } catch (exc) {
+    modelFilesStatus.textContent = "";
+    showErrors(exc instanceof ApiError && exc.status === 400 ? exc.data : { files: [exc.message] });
+  }
+}
+
+modelFilesInput.addEventListener("change", () => uploadModel());
+
 // A run has a tokenizer once its ranks prepared the data, so runs still waiting are not offered.
 async function loadTokenizerRuns() {
   const runs = items(await api("/api/runs/?status=running,restarting,succeeded,failed,cancelled&limit=100"));
@@ -116,6 +155,7 @@ function readForm() {
   body.dataset = datasetSelect.value ? Number(datasetSelect.value) : null;
   if (tokenizerSelect.value) body.tokenizer_run = Number(tokenizerSelect.value);
   if (validationSelect.value) body.validation_dataset = Number(validationSelect.value);
+  if (pretrainedSelect.value) body.pretrained = Number(pretrainedSelect.value);
   const faultChosen = form.elements.namedItem("spec.faults.0.kind").value !== "";
   for (const input of specInputs) {
     if (input.name.startsWith("spec.faults.") && !faultChosen) continue;
@@ -281,13 +321,18 @@ async function prefillFrom(runId) {
   const source = await api(`/api/runs/${runId}/`);
   const { data: _data, ...spec } = source.spec; // data is named through the dataset and tokenizer fields
   baseSpec = spec;
+  // A run from a pretrained model takes its sizes from it again; only the context length is its own.
+  const fromPretrained = source.pretrained != null;
+  if (fromPretrained) baseSpec.model = { seq_len: source.spec.model.seq_len };
   form.elements.namedItem("name").value = `${source.name} (clone)`;
   for (const input of specInputs) {
+    if (fromPretrained && input.name.startsWith("spec.model.") && input.name !== "spec.model.seq_len") continue;
     const value = input.name.split(".").slice(1).reduce((o, k) => o?.[k], source.spec);
     if (value === undefined || value === null || typeof value === "object") continue;
     input.value = String(value);
   }
-  await Promise.all([datasetsLoaded, tokenizersLoaded]);
+  await Promise.all([datasetsLoaded, tokenizersLoaded, pretrainedLoaded]);
+  pretrainedSelect.value = fromPretrained ? String(source.pretrained) : "";
   datasetSelect.value = source.dataset == null ? "" : String(source.dataset);
   tokenizerSelect.value = source.tokenizer_run == null ? "" : String(source.tokenizer_run);
   validationSelect.value = source.validation_dataset == null ? "" : String(source.validation_dataset);
@@ -297,6 +342,7 @@ async function prefillFrom(runId) {
 
 showRecipeDefaults();
 const datasetsLoaded = loadDatasets().catch((exc) => showErrors({ dataset: [`could not list datasets: ${exc.message}`] }));
+const pretrainedLoaded = loadPretrained().catch((exc) => showErrors({ pretrained: [`could not list models: ${exc.message}`] }));
 const tokenizersLoaded = loadTokenizerRuns().catch((exc) => showErrors({ tokenizer_run: [`could not list runs: ${exc.message}`] }));
 const cloneOf = new URLSearchParams(location.search).get("from");
 if (cloneOf) {
