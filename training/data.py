@@ -197,20 +197,52 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int) -
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
+    """Copies a tokenizer folder's files; a Hugging Face folder may lack special_tokens_map.json."""
     dst_dir.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
-        shutil.copyfile(src_dir / name, dst_dir / name)
+        if name == "tokenizer.json" or (src_dir / name).exists():
+            shutil.copyfile(src_dir / name, dst_dir / name)
 
 
-def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
+@dataclass(frozen=True)
+class EndTokens:
+    """How a tokenizer begins and ends a document, and what generation stops on."""
+
+    bos: int
+    eos: int  # also what the token files put between documents
+    stops: tuple[int, ...]  # eos, and <|im_end|> (a chat turn's end) where the tokenizer has it
+
+
+def _named_token(config: dict[str, Any], key: str) -> str | None:
+    value = config.get(key)
+    if isinstance(value, dict):  # transformers' AddedToken, as older tokenizer configs store it
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def end_tokens(tokenizer_dir: Path) -> EndTokens:
+    """Fathom's own tokenizers end documents with <|endoftext|>; a pretrained model's, with the
+    eos token its tokenizer_config.json names (Llama's `</s>`, `<|end_of_text|>`)."""
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    ids: dict[str, int] = {}
-    for token in SPECIAL_TOKENS:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"{tokenizer_dir}/tokenizer.json lacks the special token {token}")
-        ids[token] = token_id
-    return ids
+    im_end = tokenizer.token_to_id(IM_END)
+    end_of_text = tokenizer.token_to_id(END_OF_TEXT)
+    if end_of_text is not None:
+        bos = eos = end_of_text
+    else:
+        config_file = tokenizer_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+        eos_name = _named_token(config, "eos_token")
+        found = tokenizer.token_to_id(eos_name) if eos_name else None
+        if found is None:
+            raise ValueError(
+                f"{tokenizer_dir}/tokenizer.json has no {END_OF_TEXT} and its tokenizer_config.json names no eos_token "
+                "that it holds: documents need an end-of-text token"
+            )
+        eos = found
+        bos_name = _named_token(config, "bos_token")
+        bos = (tokenizer.token_to_id(bos_name) if bos_name else None) or eos
+    stops = (eos,) if im_end is None or im_end == eos else (eos, im_end)
+    return EndTokens(bos=bos, eos=eos, stops=stops)
 
 
 # --- Preparation ----------------------------------------------------------------------------
@@ -325,7 +357,7 @@ def _tokenized(
     ).hexdigest()[:16]
     tokens_path = work_dir / f"tokens-{key}.{dtype}"
     if not tokens_path.exists():
-        _tokenize(dataset, tokenizer, template, tokens_path, dtype)
+        _tokenize(dataset, tokenizer, end_tokens(tokenizer_dir).eos, template, tokens_path, dtype)
     return tokens_path
 
 
@@ -334,10 +366,10 @@ def mask_path_of(tokens_path: Path) -> Path:
     return tokens_path.with_suffix(".mask")
 
 
-def _tokenize(dataset: Path, tokenizer: Tokenizer, template: ChatTemplate, out: Path, dtype: str) -> None:
-    """Writes the token file and, when some tokens do not count in the loss (chat prompts), the
-    mask beside it; the mask is renamed into place first, so a token file never lacks its mask."""
-    eot = tokenizer.token_to_id(END_OF_TEXT)
+def _tokenize(dataset: Path, tokenizer: Tokenizer, eot: int, template: ChatTemplate, out: Path, dtype: str) -> None:
+    """Writes the token file (documents separated by `eot`) and, when some tokens do not count in
+    the loss (chat prompts), the mask beside it; the mask is renamed into place first, so a token
+    file never lacks its mask."""
     tmp = out.with_name(out.name + ".tmp")
     mask_out = mask_path_of(out)
     mask_tmp = mask_out.with_name(mask_out.name + ".tmp")

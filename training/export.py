@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from training.config import RunSpec
-from training.data import END_OF_TEXT, IM_END, TOKENIZER_FILES, copy_tokenizer, special_token_ids
+from training.data import TOKENIZER_FILES, copy_tokenizer, end_tokens
 from training.hf_format import EXPORT_DTYPE, hf_config
 from training.model import Transformer
 from training.pretrained import hf_name
@@ -71,7 +71,8 @@ def _copy_tokenizer(checkpoint: Path | str, out_dir: Path) -> None:
         assert isinstance(checkpoint, str)
         remote = Storage.open(checkpoint)
         for name in TOKENIZER_FILES:
-            remote.fs.get_file(remote.path(CHECKPOINT_TOKENIZER, name), str(out_dir / name))
+            if name == "tokenizer.json" or remote.fs.exists(remote.path(CHECKPOINT_TOKENIZER, name)):
+                remote.fs.get_file(remote.path(CHECKPOINT_TOKENIZER, name), str(out_dir / name))
     else:
         copy_tokenizer(CheckpointDir(Path(checkpoint)).tokenizer_dir, out_dir)
 
@@ -84,13 +85,13 @@ def export(checkpoint: Path | str, out_dir: Path, dtype: str = EXPORT_DTYPE) -> 
     tensors = {hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _copy_tokenizer(checkpoint, out_dir)
-    special = special_token_ids(out_dir)
-    (out_dir / "config.json").write_text(json.dumps(hf_config(spec.model, dtype, special[END_OF_TEXT]), indent=2) + "\n")
+    ends = end_tokens(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(hf_config(spec.model, dtype, ends.bos, ends.eos), indent=2) + "\n")
     generation = {
-        "bos_token_id": special[END_OF_TEXT],
-        # A chat turn ends with <|im_end|>, a document with <|endoftext|>: stop on either.
-        "eos_token_id": [special[END_OF_TEXT], special[IM_END]],
-        "pad_token_id": special[END_OF_TEXT],
+        "bos_token_id": ends.bos,
+        # A chat turn ends with <|im_end|>, a document with the end-of-text token: stop on either.
+        "eos_token_id": list(ends.stops),
+        "pad_token_id": ends.eos,
         "max_length": spec.model.seq_len,
     }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

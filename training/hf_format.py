@@ -15,8 +15,9 @@ from training.config import ModelConfig
 EXPORT_DTYPE = "float32"
 
 
-def hf_config(cfg: ModelConfig, dtype: str, eos: int) -> dict[str, Any]:
-    """config.json of the export of a model with `cfg`, its weights in `dtype`, its end-of-text token `eos`."""
+def hf_config(cfg: ModelConfig, dtype: str, bos: int, eos: int) -> dict[str, Any]:
+    """config.json of the export of a model with `cfg`, its weights in `dtype`, its tokenizer's
+    begin- and end-of-text tokens `bos` and `eos`."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -42,7 +43,7 @@ def hf_config(cfg: ModelConfig, dtype: str, eos: int) -> dict[str, Any]:
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
-        "bos_token_id": eos,
+        "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": eos,
         "use_cache": True,

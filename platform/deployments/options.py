@@ -53,7 +53,7 @@ def export_info(checkpoint: Checkpoint) -> CheckpointInfo:
     except Exception as exc:  # a missing file, storage's many errors, or a spec without a model
         raise InvalidInput("checkpoint", f"step {checkpoint.step}: {where} does not say the model: {exc}") from None
     return CheckpointInfo.from_config(
-        hf_config(model, EXPORT_DTYPE, eos=0), checkpoint.run.run_dir.export(checkpoint.step)
+        hf_config(model, EXPORT_DTYPE, bos=0, eos=0), checkpoint.run.run_dir.export(checkpoint.step)
     )
 
 

@@ -7,7 +7,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from training.config import ModelConfig, tiny
-from training.data import END_OF_TEXT
 from training.export import hf_name
 from training.hf_format import hf_config
 from training.model import Transformer, cross_entropy_loss
@@ -32,8 +31,7 @@ def test_its_parameter_count_is_the_configs(cfg: ModelConfig) -> None:
 
 def test_parameter_names_and_shapes_are_llamas_after_renaming(cfg: ModelConfig) -> None:
     ours = {hf_name(k): tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
-    special = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-    llama = LlamaForCausalLM(LlamaConfig(**hf_config(cfg, "float32", special[END_OF_TEXT])))
+    llama = LlamaForCausalLM(LlamaConfig(**hf_config(cfg, "float32", bos=0, eos=0)))
     theirs = {k: tuple(v.shape) for k, v in llama.state_dict().items() if "rotary" not in k}
     assert ours == theirs
 

@@ -6,17 +6,21 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tests.training.test_initial_weights import materialize_under
 from tools.check_parity import launch, step_values
 from training.config import DataConfig, ModelConfig, RunSpec, SpecError, tiny
-from training.data import TOKENIZER_FILES, ShardedSampler, TokenWindows, prepare_data
+from training.data import TOKENIZER_FILES, ShardedSampler, TokenWindows, iter_documents, prepare_data
+from training.export import export, load_model
 from training.initial_weights import PretrainedWeights, build_meta, materialize
 from training.pretrained import INDEX_FILE, resolve
+from training.run_dir import RunDir
 
 TOLERANCE = 1e-4
 TIMEOUT = 600  # seconds; a hung run fails its test instead of blocking the suite
@@ -110,12 +114,13 @@ def test_each_rank_of_a_dp2_tp2_zero3_layout_reads_its_shards_of_the_folder(llam
     assert len({name for r in reports for name in r["held"]}) == 2 * 9 + 3
 
 
-def test_a_dp2_tp2_run_starts_at_the_loss_transformers_computes(
+def test_a_dp2_tp2_run_starts_at_the_loss_transformers_computes_and_its_export_loads_back(
     llama_folder: Path, tiny_data: DataConfig, tmp_path: Path
 ) -> None:
     spec = spec_from(llama_folder, dataset=tiny_data.dataset, dp=2, tp=2)
     spec.train.steps = 1
     spec.train.warmup_steps = 1
+    spec.train.checkpoint_interval = 1
     first_loss = step_values(launch(spec, tmp_path / "run", TIMEOUT))[1]  # the forward before the first update
 
     data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, tmp_path / "data")
@@ -128,6 +133,22 @@ def test_a_dp2_tp2_run_starts_at_the_loss_transformers_computes(
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).item()
     assert abs(first_loss - expected) <= TOLERANCE, (first_loss, expected)
 
+    # The trained model goes back out as a Llama folder that transformers loads with the
+    # original's architecture and computes what Fathom computes.
+    checkpoint = RunDir(tmp_path / "run").latest_checkpoint()
+    assert checkpoint is not None
+    exported = export(checkpoint, tmp_path / "exported")
+    original = json.loads((llama_folder / "config.json").read_text())
+    written = json.loads((exported / "config.json").read_text())
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "vocab_size"):
+        assert written[key] == original[key], key
+    _, trained = load_model(checkpoint)
+    with torch.no_grad():
+        ours = trained(inputs)
+        theirs = reference(exported)(inputs).logits
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+    assert (theirs - logits).abs().max().item() > TOLERANCE  # the step changed the weights
+
 
 def test_a_spec_model_section_is_replaced_by_the_folders(llama_folder: Path) -> None:
     spec = tiny()
@@ -135,3 +156,51 @@ def test_a_spec_model_section_is_replaced_by_the_folders(llama_folder: Path) -> 
     spec.data = DataConfig(pretrained=str(llama_folder))
     resolved = resolve(spec)
     assert (resolved.model.n_layers, resolved.model.dim, resolved.model.seq_len) == (2, 128, 32)
+
+
+def llama_style_folder(folder: Path, dataset: Path) -> Path:
+    """A small Llama whose tokenizer is as Llama 2 folders hold it: <s> and </s>, no
+    <|endoftext|>, a tokenizer_config.json that names them, no special_tokens_map.json."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(iter_documents(dataset), trainer=trainer)
+    folder.mkdir(parents=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    llama = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    LlamaForCausalLM(llama).save_pretrained(folder)
+    return folder
+
+
+def test_a_tokenizer_without_fathoms_end_of_text_ends_documents_with_its_own_eos(tiny_data: DataConfig, tmp_path: Path) -> None:
+    folder = llama_style_folder(tmp_path / "llama", Path(tiny_data.dataset))
+    eos, bos = (Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(t) for t in ("</s>", "<s>"))
+    spec = spec_from(folder, dataset=tiny_data.dataset)
+    spec.train.steps = 1
+    spec.train.warmup_steps = 1
+    spec.train.checkpoint_interval = 1
+    launch(spec, tmp_path / "run", TIMEOUT)
+
+    # Every document of the corpus ends with </s> in the token file the run trained on.
+    (tokens_file,) = (tmp_path / "run" / "data").glob("tokens-*")
+    tokens = np.fromfile(tokens_file, dtype=np.uint16)
+    assert tokens[-1] == eos
+    assert int((tokens == eos).sum()) == sum(1 for _ in iter_documents(Path(tiny_data.dataset)))
+
+    # The export names the tokenizer's own tokens, and transformers reads them so.
+    checkpoint = RunDir(tmp_path / "run").latest_checkpoint()
+    assert checkpoint is not None
+    exported = export(checkpoint, tmp_path / "exported")
+    config = json.loads((exported / "config.json").read_text())
+    generation = json.loads((exported / "generation_config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], generation["eos_token_id"]) == (bos, eos, [eos])
+    assert AutoTokenizer.from_pretrained(exported).eos_token == "</s>"
