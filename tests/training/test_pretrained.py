@@ -173,8 +173,9 @@ def llama_style_folder(folder: Path, dataset: Path) -> Path:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
+    # Head size 32: one vLLM's CPU attention computes, so tests/serving serves its export too.
     llama = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     LlamaForCausalLM(llama).save_pretrained(folder)
