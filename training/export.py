@@ -77,6 +77,19 @@ def _copy_tokenizer(checkpoint: Path | str, out_dir: Path) -> None:
         copy_tokenizer(CheckpointDir(Path(checkpoint)).tokenizer_dir, out_dir)
 
 
+def _served_context(spec: RunSpec) -> int:
+    """The context the export serves: the run's, or its pretrained model's where that is longer
+    (continued pretraining at a shorter context keeps what the model could do). Where the
+    pretrained folder is not on this machine, the run's."""
+    if not spec.data.pretrained:
+        return spec.model.seq_len
+    try:
+        original = json.loads((Path(spec.data.pretrained) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return spec.model.seq_len
+    return max(spec.model.seq_len, original) if isinstance(original, int) else spec.model.seq_len
+
+
 def export(checkpoint: Path | str, out_dir: Path, dtype: str = EXPORT_DTYPE) -> Path:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
@@ -86,7 +99,8 @@ def export(checkpoint: Path | str, out_dir: Path, dtype: str = EXPORT_DTYPE) -> 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _copy_tokenizer(checkpoint, out_dir)
     ends = end_tokens(out_dir)
-    (out_dir / "config.json").write_text(json.dumps(hf_config(spec.model, dtype, ends.bos, ends.eos), indent=2) + "\n")
+    config = hf_config(spec.model, dtype, ends.bos, ends.eos, max_positions=_served_context(spec))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {
         "bos_token_id": ends.bos,
         # A chat turn ends with <|im_end|>, a document with the end-of-text token: stop on either.

@@ -15,9 +15,10 @@ from training.config import ModelConfig
 EXPORT_DTYPE = "float32"
 
 
-def hf_config(cfg: ModelConfig, dtype: str, bos: int, eos: int) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, dtype: str, bos: int, eos: int, max_positions: int | None = None) -> dict[str, Any]:
     """config.json of the export of a model with `cfg`, its weights in `dtype`, its tokenizer's
-    begin- and end-of-text tokens `bos` and `eos`."""
+    begin- and end-of-text tokens `bos` and `eos`, and the context it serves (`max_positions`;
+    default: the context it trained at)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -28,7 +29,7 @@ def hf_config(cfg: ModelConfig, dtype: str, bos: int, eos: int) -> dict[str, Any
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.seq_len,
+        "max_position_embeddings": max_positions or cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
         # transformers ≥ 5 reads rope_parameters and dtype; older readers (and some of vLLM's
         # paths) read rope_theta and torch_dtype. Both spellings say the same thing.

@@ -121,6 +121,7 @@ def test_a_dp2_tp2_run_starts_at_the_loss_transformers_computes_and_its_export_l
     spec.train.steps = 1
     spec.train.warmup_steps = 1
     spec.train.checkpoint_interval = 1
+    spec.model.seq_len = 32  # shorter than the folder's 64: continued pretraining at a shorter context
     first_loss = step_values(launch(spec, tmp_path / "run", TIMEOUT))[1]  # the forward before the first update
 
     data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, tmp_path / "data")
@@ -142,6 +143,8 @@ def test_a_dp2_tp2_run_starts_at_the_loss_transformers_computes_and_its_export_l
     written = json.loads((exported / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "vocab_size"):
         assert written[key] == original[key], key
+    # It trained at 32 tokens; it serves the 64 the original could.
+    assert written["max_position_embeddings"] == original["max_position_embeddings"] == 64
     _, trained = load_model(checkpoint)
     with torch.no_grad():
         ours = trained(inputs)
