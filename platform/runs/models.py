@@ -88,6 +88,10 @@ class Run(models.Model):
     # rendezvous endpoint is on the first placed host's address, kept so a re-sent launch reuses it.
     priority = models.IntegerField(default=0)
     rendezvous = models.CharField(max_length=300, blank=True)
+    # Organising (issue 18): the recipe the spec started from (empty: a run from before it was
+    # kept), and the owner's free-text note. Tags are RunTag rows, so a filter is a join.
+    recipe = models.CharField(max_length=32, blank=True, db_index=True)
+    note = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -119,6 +123,10 @@ class Run(models.Model):
         return f"{layout.get('dp', 1)}×{layout.get('tp', 1)}×{layout.get('pp', 1)}"
 
     @property
+    def tag_names(self) -> list[str]:
+        return [tag.name for tag in self.tags.all()]
+
+    @property
     def node_count(self) -> int:
         """How many node agents the run starts: its spec's nodes.max."""
         return int(self.spec.get("nodes", {}).get("max", 1))
@@ -130,6 +138,20 @@ class Run(models.Model):
     @property
     def is_active(self) -> bool:
         return self.status in self.ACTIVE
+
+
+class RunTag(models.Model):
+    """A short label on a run (`baseline`, `lr-sweep`); `runs.organise.check_tags` says what one may be."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tags")
+    name = models.CharField(max_length=32, db_index=True)
+
+    class Meta:
+        ordering = ["run", "id"]  # the order the owner gave them
+        constraints = [models.UniqueConstraint(fields=["run", "name"], name="run_tag_unique")]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class RunEvent(Event):

@@ -307,6 +307,7 @@ def do_create_run(
     *,
     priority: int = 0,
     validation_dataset: Dataset | None = None,
+    recipe: str = "",
 ) -> Run:
     """Queues a run. `dataset` and `tokenizer_run` must be the owner's own: callers resolve ids among them.
 
@@ -319,7 +320,7 @@ def do_create_run(
     with transaction.atomic():
         run = Run.objects.create(
             owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run,
-            validation_dataset=validation_dataset, priority=priority,
+            validation_dataset=validation_dataset, priority=priority, recipe=recipe,
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         enqueue_on_commit("runs.tasks.launch_run", run.pk)

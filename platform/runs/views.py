@@ -9,22 +9,27 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound
 from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from runs import logs, services
+from runs import compare, logs, organise, services
 from runs.models import Checkpoint, Dataset, Run
 from runs.serializers import (
     CheckpointSerializer,
     CloneSerializer,
+    CompareQuerySerializer,
+    ComparisonSerializer,
     DatasetSerializer,
     IngestSerializer,
+    OrganiseSerializer,
     RunEventSerializer,
     RunSerializer,
 )
+from training.config import RECIPES
 
 CHECKPOINT_ORDERING = OpenApiParameter(
     "ordering",
@@ -71,6 +76,18 @@ class DatasetViewSet(
         return owned(self, Dataset.objects.all())
 
 
+RUN_FILTERS = [
+    OpenApiParameter("search", str, description="Runs whose name or note contains this text (any case)."),
+    OpenApiParameter(
+        "tag", str, many=True, description="Runs that carry every one of these tags (repeat it, or separate with commas)."
+    ),
+    OpenApiParameter("status", str, description=f"Comma-separated statuses, any of: {', '.join(Run.Status.values)}."),
+    OpenApiParameter("recipe", str, enum=list(RECIPES), description="Runs launched from this recipe."),
+    OpenApiParameter("layout", str, description=f"Runs with this layout: {organise.LAYOUT_RULE}."),
+]
+
+
+@extend_schema_view(list=extend_schema(parameters=RUN_FILTERS))
 class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Training runs. Another user's run answers 404, as if it did not exist."""
 
@@ -78,10 +95,38 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
     conflict_actions = ("cancel", "resume")  # a run already past the state they start from answers 409
 
     def get_queryset(self) -> QuerySet[Run]:
-        runs = owned(self, Run.objects.all())
-        if status_filter := self.request.query_params.get("status"):
-            runs = runs.filter(status__in=status_filter.split(","))
+        runs = owned(self, Run.objects.prefetch_related("tags"))
+        if self.action == "list":
+            runs = organise.filter_runs(runs, self.request.query_params)
         return runs
+
+    @extend_schema(request=OrganiseSerializer, responses=RunSerializer)
+    def partial_update(self, request: Request, pk: str) -> Response:
+        """Changes the run's tags and note (what is left out stays)."""
+        run = self.get_object()
+        body = OrganiseSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        run = organise.do_organise_run(run, tags=body.validated_data.get("tags"), note=body.validated_data.get("note"))
+        return Response(RunSerializer(run, context={"request": request}).data)
+
+    @extend_schema(
+        parameters=[CompareQuerySerializer],
+        responses={200: ComparisonSerializer, 404: inline_serializer("RunsNotFound", {"detail": serializers.CharField()})},
+    )
+    @action(detail=False, methods=["get"], pagination_class=None)
+    def compare(self, request: Request) -> Response:
+        """Per-step loss, eval loss, tokens/s and MFU of 2 to 8 of your runs, their final and best
+        figures, and the spec fields whose values differ (`?all=1`: every field). Any id that is
+        not one of your runs answers 404."""
+        ids = compare.check_ids(request.query_params.get("ids"))
+        query = {"ids": ",".join(map(str, ids)), "all": request.query_params.get("all", False)}
+        show_all = CompareQuerySerializer(data=query)
+        show_all.is_valid(raise_exception=True)
+        found = {run.pk: run for run in owned(self, Run.objects.prefetch_related("tags")).filter(pk__in=ids)}
+        missing = [pk for pk in ids if pk not in found]
+        if missing:
+            raise NotFound(f"No run {missing[0]} among yours.")
+        return Response(compare.comparison([found[pk] for pk in ids], show_all.validated_data["all"]))
 
     def _change(self, request: Request, operation: Callable[[Run], Run]) -> Response:
         run = operation(self.get_object())
@@ -115,6 +160,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             "dataset": edits.get("dataset", source.dataset_id),
             "tokenizer_run": edits.get("tokenizer_run", source.tokenizer_run_id),
             "validation_dataset": edits.get("validation_dataset", source.validation_dataset_id),
+            "recipe": source.recipe or "tiny",
             "spec": services.deep_merge(spec, edits.get("spec") or {}),
         }
         serializer = RunSerializer(data=body, context={"request": request})
