@@ -11,12 +11,14 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 
+from controlplane.exceptions import InvalidInput
 from dashboard.launch_form import GROUPS
 from deployments.models import Deployment
 from notifications.models import Webhook
+from runs import compare
 from runs.models import Run, RunEvent
 from training.config import RECIPES
 from training.planner.layout_costs import DEVICES
@@ -31,7 +33,7 @@ WEBHOOK_DELIVERIES_SHOWN = 10
 
 @login_required
 def runs_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/runs.html", {"statuses": Run.Status.values})
+    return render(request, "dashboard/runs.html", {"statuses": Run.Status.values, "recipes": list(RECIPES)})
 
 
 @login_required
@@ -72,6 +74,20 @@ def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
         "keep_checkpoints": int(run.spec.get("train", {}).get("keep_checkpoints", 0)) or None,
     }
     return render(request, "dashboard/run.html", {"run": run, "run_page": run_page})
+
+
+@login_required
+def compare_page(request: HttpRequest) -> HttpResponse:
+    """`/runs/compare/?ids=3,7,9[&all=1]`: the page reads `GET /api/runs/compare/` with the same
+    query. A list of ids the API would refuse is shown here as its 400; a run not the caller's is a 404."""
+    try:
+        ids = compare.check_ids(request.GET.get("ids"))
+    except InvalidInput as exc:
+        return render(request, "dashboard/compare.html", {"error": exc.message, "ids": []}, status=400)
+    owned = set(Run.objects.filter(owner_id=request.user.pk, pk__in=ids).values_list("pk", flat=True))
+    if len(owned) != len(ids):
+        raise Http404("No such run among yours.")
+    return render(request, "dashboard/compare.html", {"error": "", "ids": ids})
 
 
 @login_required

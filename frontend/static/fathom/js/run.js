@@ -1,9 +1,9 @@
 // The run page: history then live events over the run's websocket (resuming after the last
 // seq held across reconnects), curves, rank health, timeline, checkpoints, log, and actions.
 
-import { api } from "./api.js";
+import { api, flattenErrors } from "./api.js";
 import { LineChart, formatNumber } from "./chart.js";
-import { every, pageData } from "./dom.js";
+import { every, h, pageData } from "./dom.js";
 import { LiveEvents } from "./live.js";
 import { RankGrid } from "./ranks.js";
 import { Checkpoints, LogTail } from "./run_panels.js";
@@ -185,6 +185,37 @@ function action(button, path, after, question = null) {
 
 action($("cancel-run"), "cancel", showRun, `Cancel run "${run.name}"? Its ranks stop; it can be resumed from its latest checkpoint.`);
 action($("resume-run"), "resume", showRun);
+
+// --- Tags and note ---------------------------------------------------------------------------------
+
+function showOrganiseErrors(errors) {
+  for (const name of ["tags", "note"]) {
+    const messages = errors.filter((e) => e.path.split(".")[0] === name).map((e) => e.message);
+    const box = document.querySelector(`[data-error-for="${name}"]`);
+    box.textContent = messages.join(" ");
+    box.hidden = messages.length === 0;
+    $(`run-${name}`).setAttribute("aria-invalid", String(messages.length > 0));
+  }
+}
+
+$("organise-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const button = $("organise-save");
+  button.disabled = true;
+  $("organise-saved").textContent = "";
+  const tags = $("run-tags").value.split(/[\s,]+/).filter(Boolean);
+  try {
+    const row = await api(`/api/runs/${run.id}/`, { method: "PATCH", json: { tags, note: $("run-note").value } });
+    showOrganiseErrors([]);
+    $("run-tags").value = row.tags.join(", ");
+    $("run-tag-list").replaceChildren(...row.tags.map((tag) => h("a", { class: "tag", href: `/?tag=${encodeURIComponent(tag)}` }, tag)));
+    $("organise-saved").textContent = "Saved.";
+  } catch (exc) {
+    showOrganiseErrors(exc.status === 400 ? flattenErrors(exc.data) : [{ path: "note", message: exc.message }]);
+  } finally {
+    button.disabled = false;
+  }
+});
 
 // --- Deploy: a checkpoint to replicas, with a name, replica count and options --------------------
 
