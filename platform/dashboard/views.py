@@ -1,8 +1,9 @@
 """The dashboard's pages. Each renders a shell; the page's ES module fills it from the REST API
 and the websockets, so the browser and scripts see the same data through the same checks.
 
-Pages that name an object look it up among the caller's own, so another user's run or
-deployment answers 404 here as it does in the API.
+Pages that name an object look it up among the caller's own (for a run: also those of the
+caller's projects, runs.access), so anyone else's run or deployment answers 404 here as it does
+in the API.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from controlplane.exceptions import InvalidInput
 from dashboard.launch_form import GROUPS
 from deployments.models import Deployment
 from notifications.models import Webhook
-from runs import compare
+from runs import access, compare
 from runs.models import Run, RunEvent
 from training.config import RECIPES
 from training.planner.layout_costs import DEVICES
@@ -33,7 +34,10 @@ WEBHOOK_DELIVERIES_SHOWN = 10
 
 @login_required
 def runs_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/runs.html", {"statuses": Run.Status.values, "recipes": list(RECIPES)})
+    projects = list(access.projects_of(request.user).values("id", "name"))
+    return render(
+        request, "dashboard/runs.html", {"statuses": Run.Status.values, "recipes": list(RECIPES), "projects": projects}
+    )
 
 
 @login_required
@@ -60,7 +64,7 @@ def run_new_page(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
-    run = get_object_or_404(Run, pk=run_id, owner=request.user)
+    run = get_object_or_404(access.visible_runs(request.user).select_related("owner", "project"), pk=run_id)
     layout = run.spec.get("layout", {})
     run_page = {
         "id": run.pk,
@@ -72,8 +76,12 @@ def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
         "seq_len": int(run.spec.get("model", {}).get("seq_len", 0)) or None,
         "name": run.name,
         "keep_checkpoints": int(run.spec.get("train", {}).get("keep_checkpoints", 0)) or None,
+        # A read-only member of the run's project sees no buttons that would answer 403.
+        "can_change": access.can_change(request.user, run),
     }
-    return render(request, "dashboard/run.html", {"run": run, "run_page": run_page})
+    return render(
+        request, "dashboard/run.html", {"run": run, "run_page": run_page, "mine": run.owner_id == request.user.pk}
+    )
 
 
 @login_required
@@ -84,8 +92,8 @@ def compare_page(request: HttpRequest) -> HttpResponse:
         ids = compare.check_ids(request.GET.get("ids"))
     except InvalidInput as exc:
         return render(request, "dashboard/compare.html", {"error": exc.message, "ids": []}, status=400)
-    owned = set(Run.objects.filter(owner_id=request.user.pk, pk__in=ids).values_list("pk", flat=True))
-    if len(owned) != len(ids):
+    visible = set(access.visible_runs(request.user).filter(pk__in=ids).values_list("pk", flat=True))
+    if len(visible) != len(ids):
         raise Http404("No such run among yours.")
     return render(request, "dashboard/compare.html", {"error": "", "ids": ids})
 
@@ -125,7 +133,7 @@ def sparklines(request: HttpRequest) -> JsonResponse:
         ids = [int(part) for part in request.GET.get("runs", "").split(",") if part][:SPARKLINE_RUNS]
     except ValueError:
         return JsonResponse({"runs": ["must be a comma-separated list of run ids"]}, status=400)
-    owned = list(Run.objects.filter(owner_id=request.user.pk, pk__in=ids).values_list("pk", flat=True))
+    owned = list(access.visible_runs(request.user).filter(pk__in=ids).values_list("pk", flat=True))
     curves: dict[int, dict[int, float]] = {pk: {} for pk in owned}
     rows = (
         RunEvent.objects.filter(run_id__in=owned, kind="metrics")

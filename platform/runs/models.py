@@ -33,6 +33,36 @@ class Dataset(models.Model):
         return self.name
 
 
+class Project(models.Model):
+    """Runs shared with members. Its runs stay their owners'; members read them (role `read`) or
+    also change them (role `write`: tags, note, cancel, resume, launch into the project).
+    `runs.access` is the one place that decides who sees and changes what."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="owned_projects")
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name", "id"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ProjectMember(models.Model):
+    class Role(models.TextChoices):
+        READ = "read"
+        WRITE = "write"
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="members")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="project_memberships")
+    role = models.CharField(max_length=5, choices=Role.choices, default=Role.READ)
+
+    class Meta:
+        ordering = ["project", "id"]
+        constraints = [models.UniqueConstraint(fields=["project", "user"], name="project_member_unique")]
+
+
 class Run(models.Model):
     class Status(models.TextChoices):
         QUEUED = "queued"
@@ -92,6 +122,10 @@ class Run(models.Model):
     # kept), and the owner's free-text note. Tags are RunTag rows, so a filter is a join.
     recipe = models.CharField(max_length=32, blank=True, db_index=True)
     note = models.TextField(blank=True)
+    project = models.ForeignKey(
+        Project, null=True, blank=True, on_delete=models.SET_NULL, related_name="runs",
+        help_text="Shared with the project's members; empty: the owner's alone.",
+    )  # fmt: skip
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -2,7 +2,7 @@
 
 `check_*` validate and raise `InvalidInput` naming the field or query parameter; `do_organise_run`
 changes a run's tags and note; `filter_runs` narrows a queryset by the list's query parameters
-(`?search=&tag=&status=&recipe=&layout=`), which the dashboard keeps in its URL.
+(`?search=&tag=&status=&recipe=&project=&layout=`), which the dashboard keeps in its URL.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from django.db.models import Q, QuerySet
 from django.http import QueryDict
 
 from controlplane.exceptions import InvalidInput
-from runs.models import Run, RunTag
+from runs.models import Project, Run, RunTag
 from training.config import RECIPES
 
 # Tags are labels to filter by, not prose: short, lower case, no spaces, so `?tag=` in a URL
@@ -66,6 +66,12 @@ def do_organise_run(run: Run, *, tags: list[str] | None = None, note: str | None
     return Run.objects.prefetch_related("tags").get(pk=run.pk)
 
 
+def do_move_run(run: Run, project: Project | None) -> None:
+    """Puts the run in a project (its members then see it), or takes it out (None).
+    `access.check_project_for` decides whether the caller may."""
+    Run.objects.filter(pk=run.pk).update(project=project)
+
+
 def check_layout(raw: str) -> dict[str, int]:
     """`dp2-tp2-pp1`, `tp4`, or `2x2x1` → the degrees asked for, by dimension."""
     value = raw.strip().lower()
@@ -91,7 +97,7 @@ def _values(params: QueryDict, name: str) -> list[str]:
 
 def filter_runs(runs: QuerySet[Run], params: QueryDict) -> QuerySet[Run]:
     """The runs that match every filter given: `search` (in the name or the note, any case),
-    each `tag`, any of the `status`es, the `recipe`, the `layout`."""
+    each `tag`, any of the `status`es, the `recipe`, the `project`, the `layout`."""
     if search := params.get("search", "").strip():
         if len(search) > MAX_SEARCH:
             raise InvalidInput("search", f"at most {MAX_SEARCH} characters; got {len(search)}")
@@ -107,6 +113,10 @@ def filter_runs(runs: QuerySet[Run], params: QueryDict) -> QuerySet[Run]:
         if recipe not in RECIPES:
             raise InvalidInput("recipe", f"must be one of {', '.join(RECIPES)}; got {recipe!r}")
         runs = runs.filter(recipe=recipe)
+    if project := params.get("project", "").strip():
+        if not project.isdigit() or len(project) > 18:
+            raise InvalidInput("project", f"must be a project id; got {project!r}")
+        runs = runs.filter(project_id=int(project))
     if layout := params.get("layout", "").strip():
         for dim, degree in check_layout(layout).items():
             # Stored specs are resolved, so every run's spec names all three degrees.

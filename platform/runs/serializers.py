@@ -2,12 +2,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from drf_spectacular.utils import inline_serializer
+from drf_spectacular.utils import extend_schema_field, inline_serializer
 from rest_framework import serializers
 
 from controlplane.api import ModelSerializer, Text
-from runs import compare, organise, services
-from runs.models import Checkpoint, Dataset, Run, RunEvent
+from runs import access, compare, organise, services
+from runs.models import Checkpoint, Dataset, Project, ProjectMember, Run, RunEvent
 from training.config import RECIPES
 
 
@@ -77,13 +77,20 @@ class RunSerializer(ModelSerializer):
     tags = serializers.ListField(
         child=serializers.CharField(), source="tag_names", read_only=True, help_text="Set with PATCH."
     )
+    project = serializers.PrimaryKeyRelatedField(
+        queryset=Project.objects.none(),
+        required=False,
+        allow_null=True,
+        help_text="A project you own or may write to (its id): its members see the run; empty: yours alone.",
+    )
+    owner = serializers.CharField(source="owner.username", read_only=True, help_text="Who launched the run.")
 
     class Meta:
         model = Run
         fields = [
             "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "validation_dataset", "priority", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
-            "tags", "note", "created_at", "started_at", "finished_at",
+            "tags", "note", "project", "owner", "created_at", "started_at", "finished_at",
         ]
         read_only_fields = [
             "status", "status_reason", "step", "last_loss", "tokens_per_s", "restarts", "last_seq",
@@ -99,6 +106,7 @@ class RunSerializer(ModelSerializer):
             fields["dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
             fields["validation_dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
             fields["tokenizer_run"].queryset = Run.objects.filter(owner=request.user)  # type: ignore[attr-defined]
+            fields["project"].queryset = access.writable_projects(request.user)  # type: ignore[attr-defined]
         return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -117,6 +125,7 @@ class RunSerializer(ModelSerializer):
             priority=validated.get("priority", 0),
             validation_dataset=validated.get("validation_dataset"),
             recipe=validated["recipe"],
+            project=validated.get("project"),
         )
 
 
@@ -130,6 +139,35 @@ class OrganiseSerializer(serializers.Serializer):
         help_text=f"Replaces the run's tags; each is {organise.TAG_RULE}; at most {organise.MAX_TAGS}.",
     )
     note = Text(required=False, allow_blank=True, max_length=organise.MAX_NOTE, help_text="Free text about the run.")
+    project = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=1,
+        help_text="The run's owner only: a project they own or may write to (its id), or null for none.",
+    )
+
+
+class MemberSerializer(serializers.Serializer):
+    username = Text(max_length=150, help_text="The user to add, or whose role to change.")
+    role = serializers.ChoiceField(choices=ProjectMember.Role.choices, default=ProjectMember.Role.READ)
+
+
+class ProjectSerializer(ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+    role = serializers.SerializerMethodField(help_text="The caller's: owner, write or read.")
+    members = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Project
+        fields = ["id", "name", "owner", "role", "members", "created_at"]
+        read_only_fields = ["created_at"]
+
+    def get_role(self, project: Project) -> str:
+        return access.role_in(self.context["request"].user, project)
+
+    @extend_schema_field(MemberSerializer(many=True))
+    def get_members(self, project: Project) -> list[dict[str, str]]:
+        return [{"username": m.user.username, "role": m.role} for m in project.members.select_related("user")]
 
 
 class CloneSerializer(serializers.Serializer):

@@ -34,7 +34,7 @@ from hosts import capacity
 from hosts.models import Host
 from notifications.services import RUN_EVENTS, notify_on_commit
 from runs import launcher
-from runs.models import Checkpoint, Dataset, Run, RunEvent
+from runs.models import Checkpoint, Dataset, Project, Run, RunEvent
 from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
 from training.storage import Storage, StorageError, check_storage, dataset_url, failure_reason, local_root
@@ -308,6 +308,7 @@ def do_create_run(
     priority: int = 0,
     validation_dataset: Dataset | None = None,
     recipe: str = "",
+    project: Project | None = None,
 ) -> Run:
     """Queues a run. `dataset` and `tokenizer_run` must be the owner's own: callers resolve ids among them.
 
@@ -321,6 +322,7 @@ def do_create_run(
         run = Run.objects.create(
             owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run,
             validation_dataset=validation_dataset, priority=priority, recipe=recipe,
+            project=project,
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         enqueue_on_commit("runs.tasks.launch_run", run.pk)

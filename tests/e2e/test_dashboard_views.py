@@ -7,7 +7,7 @@ import pytest
 
 from dashboard.views import SPARKLINE_POINTS
 from deployments.models import Deployment
-from runs.models import Checkpoint, Run, RunEvent
+from runs.models import Checkpoint, Project, ProjectMember, Run, RunEvent
 
 pytestmark = pytest.mark.django_db
 
@@ -96,3 +96,17 @@ def test_sparklines_leave_out_other_users_runs_and_reject_a_malformed_list(clien
     client.force_login(alice)
     assert set(client.get(f"/dashboard/sparklines/?runs={mine.pk},{theirs.pk}").json()) == {str(mine.pk)}
     assert client.get("/dashboard/sparklines/?runs=1,x").status_code == 400
+
+
+def test_a_project_members_run_page_shows_the_run_without_changes_for_a_reader(client, alice, bob, django_user_model):
+    project = Project.objects.create(owner=alice, name="scaling")
+    ProjectMember.objects.create(project=project, user=bob, role="read")
+    run = Run.objects.create(owner=alice, name="shared", spec={}, project=project, note="Alice's notes.")
+    client.force_login(bob)
+    page = client.get(f"/runs/{run.pk}")
+    assert page.status_code == 200
+    assert b"project scaling" in page.content and b"launched by alice" in page.content
+    assert b"Alice&#x27;s notes." in page.content and b"organise-form" not in page.content
+    assert client.get(f"/runs/compare/?ids={run.pk},{run.pk + 1}").status_code == 404
+    client.force_login(django_user_model.objects.create_user("dave"))
+    assert client.get(f"/runs/{run.pk}").status_code == 404

@@ -7,9 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from channels.db import database_sync_to_async
 
 from runs import services
-from runs.models import Run
+from runs.models import Project, ProjectMember, Run
+from tests.platform.conftest import client_for
+from tests.platform.test_live_events import _connect as connect_socket
 
 pytestmark = pytest.mark.django_db
 
@@ -204,3 +207,98 @@ def test_bad_filters_are_400s_naming_the_parameter(alice_api, query, field, says
     response = alice_api.get(f"/api/runs/{query}")
     assert response.status_code == 400, response.content
     assert says in response.json()[field][0]
+
+
+# --- Projects --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shared(alice_api, alice, bob, charlie):
+    """Alice's project with bob a read-only member and charlie a writer, and one of her runs in it."""
+    project = alice_api.post("/api/projects/", {"name": "scaling"}, format="json").json()
+    assert alice_api.post(f"/api/projects/{project['id']}/members/", {"username": "bob"}, format="json").status_code == 200
+    alice_api.post(f"/api/projects/{project['id']}/members/", {"username": "charlie", "role": "write"}, format="json")
+    in_project = make_run(alice, "in the project")
+    private = make_run(alice, "alice's alone")
+    response = alice_api.patch(f"/api/runs/{in_project.pk}/", {"project": project["id"]}, format="json")
+    assert response.status_code == 200 and response.json()["project"] == project["id"], response.content
+    return project, in_project, private
+
+
+def test_a_project_member_sees_its_runs_and_a_non_member_gets_404(bob_api, django_user_model, shared):
+    project, in_project, private = shared
+    assert bob_api.get(f"/api/runs/{in_project.pk}/").status_code == 200
+    assert bob_api.get(f"/api/runs/{in_project.pk}/events/").status_code == 200
+    assert bob_api.get(f"/api/runs/{in_project.pk}/checkpoints/").status_code == 200
+    assert [r["name"] for r in bob_api.get("/api/runs/").json()["results"]] == ["in the project"]
+    assert [r["name"] for r in bob_api.get(f"/api/runs/?project={project['id']}").json()["results"]] == ["in the project"]
+    assert bob_api.get(f"/api/runs/{private.pk}/").status_code == 404
+    assert bob_api.get(f"/api/runs/compare/?ids={in_project.pk},{private.pk}").status_code == 404
+    assert bob_api.get(f"/api/projects/{project['id']}/").json()["role"] == "read"
+
+    outsider = client_for(django_user_model.objects.create_user("dave", password="dave-password-1"))
+    for path in (f"/api/runs/{in_project.pk}/", f"/api/runs/{in_project.pk}/events/", f"/api/projects/{project['id']}/"):
+        assert outsider.get(path).status_code == 404, path
+    assert outsider.get("/api/runs/").json()["count"] == 0
+    assert outsider.patch(f"/api/runs/{in_project.pk}/", {"note": "x"}, format="json").status_code == 404
+
+
+def test_a_read_member_may_not_change_a_run_and_a_write_member_may(bob_api, charlie_api, shared):
+    project, in_project, _ = shared
+    refused = bob_api.patch(f"/api/runs/{in_project.pk}/", {"tags": ["bobs"]}, format="json")
+    assert refused.status_code == 403 and "role in its project is read" in refused.json()["detail"]
+    assert bob_api.post(f"/api/runs/{in_project.pk}/cancel/").status_code == 403
+    assert Run.objects.get(pk=in_project.pk).status == "queued"
+    assert charlie_api.patch(f"/api/runs/{in_project.pk}/", {"tags": ["checked"]}, format="json").json()["tags"] == ["checked"]
+    # Only the run's owner moves it out of the project; members cannot change the project either.
+    assert charlie_api.patch(f"/api/runs/{in_project.pk}/", {"project": None}, format="json").status_code == 403
+    assert charlie_api.post(f"/api/projects/{project['id']}/members/", {"username": "bob", "role": "write"}, format="json").status_code == 403
+    assert bob_api.delete(f"/api/projects/{project['id']}/").status_code == 403
+
+
+def test_a_removed_member_no_longer_sees_the_projects_runs(alice_api, bob_api, shared):
+    project, in_project, _ = shared
+    assert alice_api.delete(f"/api/projects/{project['id']}/members/bob/").status_code == 200
+    assert bob_api.get(f"/api/runs/{in_project.pk}/").status_code == 404
+    assert alice_api.delete(f"/api/projects/{project['id']}/members/bob/").status_code == 404
+
+
+def test_runs_go_only_into_projects_one_may_write_to(bob_api, bob, charlie_api, shared):
+    project, _, _ = shared
+    bobs = make_run(bob, "bob's own")
+    response = bob_api.patch(f"/api/runs/{bobs.pk}/", {"project": project["id"]}, format="json")
+    assert response.status_code == 400 and "not one you may add runs to" in response.json()["project"][0]
+    assert bob_api.patch(f"/api/runs/{bobs.pk}/", {"project": 999999}, format="json").status_code == 400
+    launched = charlie_api.post("/api/runs/", {"name": "charlie's", "project": project["id"]}, format="json")
+    assert launched.status_code == 201, launched.content
+    assert launched.json()["owner"] == "charlie" and launched.json()["project"] == project["id"]
+    assert bob_api.post("/api/runs/", {"project": project["id"]}, format="json").status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [({"username": "nobody"}, "username"), ({"username": "alice"}, "username"), ({"username": "bob", "role": "admin"}, "role")],
+)
+def test_bad_members_are_400s_naming_the_field(alice_api, bob, shared, body, field):
+    project, _, _ = shared
+    response = alice_api.post(f"/api/projects/{project['id']}/members/", body, format="json")
+    assert response.status_code == 400 and field in response.json(), response.content
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_members_websocket_streams_the_projects_run_and_a_non_members_is_refused(alice, bob, charlie):
+    def setup() -> Run:
+        project = Project.objects.create(owner=alice, name="p")
+        ProjectMember.objects.create(project=project, user=bob, role="read")
+        run = make_run(alice, "shared", project=project)
+        metrics(run, 1, 4.2)
+        return run
+
+    run = await database_sync_to_async(setup)()
+    member = await database_sync_to_async(connect_socket)(bob, run.pk, "?after=0")
+    assert (await member.connect())[0]
+    message = await member.receive_json_from(timeout=5)
+    assert message["events"][0]["loss"] == 4.2
+    await member.disconnect()
+    outsider = await database_sync_to_async(connect_socket)(charlie, run.pk)
+    assert await outsider.connect() == (False, 4404)

@@ -135,8 +135,8 @@ function showStatus(next) {
   badge.textContent = status;
   badge.className = `badge status-${status}`;
   badge.dataset.status = status;
-  $("cancel-run").hidden = !ACTIVE.has(status) || cancelRequested;
-  $("resume-run").hidden = !(status === "failed" || status === "cancelled");
+  $("cancel-run").hidden = !run.can_change || !ACTIVE.has(status) || cancelRequested;
+  $("resume-run").hidden = !run.can_change || !(status === "failed" || status === "cancelled");
   showLiveState($("live-state").dataset.state);
   showSilence();
   if (wasActive && !ACTIVE.has(status)) {
@@ -198,7 +198,8 @@ function showOrganiseErrors(errors) {
   }
 }
 
-$("organise-form").addEventListener("submit", async (event) => {
+// A read-only member of the run's project gets no form (the page leaves it out).
+$("organise-form")?.addEventListener("submit", async (event) => {
   event.preventDefault();
   const button = $("organise-save");
   button.disabled = true;

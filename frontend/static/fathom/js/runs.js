@@ -3,7 +3,7 @@
 
 import { api, items } from "./api.js";
 import { sparkline, formatNumber } from "./chart.js";
-import { ago, every, h, statusBadge } from "./dom.js";
+import { ago, every, h, pageData, statusBadge } from "./dom.js";
 
 // The list is polled: runs change a few times a second at most and a list has no websocket.
 const REFRESH_MS = 3000;
@@ -14,13 +14,17 @@ const empty = document.getElementById("runs-empty");
 const error = document.getElementById("runs-error");
 const boxes = [...document.querySelectorAll('#status-filter input[name="status"]')];
 // The text filters, by their query parameter (the API's and the page URL's).
-const fields = Object.fromEntries(["search", "tag", "recipe", "layout"].map((name) => [name, document.querySelector(`#run-filters [name="${name}"]`)]));
+// (Project is offered only to someone with a project.)
+const fields = Object.fromEntries(
+  ["search", "tag", "recipe", "project", "layout"].map((name) => [name, document.querySelector(`#run-filters [name="${name}"]`)]).filter(([, input]) => input),
+);
 const compareButton = document.getElementById("compare-runs");
 const compareHint = document.getElementById("compare-hint");
 const curves = new Map(); // run id → [[step, loss], …]; finished runs' curves are fetched once
 // Runs chosen for the compare page, in the order chosen; kept while the list refreshes or filters.
 const selected = [];
 const MAX_COMPARED = 8;
+const me = pageData("me"); // runs of a project one is a member of name who launched them
 // Typing in a filter waits this long for the next key before asking the API.
 const TYPING_MS = 300;
 
@@ -102,7 +106,7 @@ function row(run) {
     "tr",
     { dataset: { runId: run.id, status: run.status } },
     h("td", { "data-label": "Compare", class: "select-cell" }, pick),
-    h("td", { "data-label": "Run" }, h("a", { href: `/runs/${run.id}` }, run.name), h("span", { class: "muted id" }, ` #${run.id}`), tags),
+    h("td", { "data-label": "Run" }, h("a", { href: `/runs/${run.id}` }, run.name), h("span", { class: "muted id" }, ` #${run.id}`), run.owner !== me ? h("span", { class: "muted id" }, ` · ${run.owner}`) : null, tags),
     h("td", { "data-label": "Status" }, statusBadge(run.status)),
     h("td", { "data-label": "Layout", class: "num" }, run.layout),
     h("td", { "data-label": "Progress" }, progress),
