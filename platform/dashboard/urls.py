@@ -14,5 +14,6 @@ urlpatterns = [
     path("deployments/<int:deployment_id>", views.deployment_page, name="deployment-page"),
     path("hosts", views.hosts_page, name="hosts-page"),
     path("settings/webhooks", views.webhooks_page, name="webhooks-page"),
+    path("projects", views.projects_page, name="projects-page"),
     path("dashboard/sparklines/", views.sparklines, name="dashboard-sparklines"),
 ]

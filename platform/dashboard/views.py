@@ -20,7 +20,7 @@ from dashboard.launch_form import GROUPS
 from deployments.models import Deployment
 from notifications.models import Webhook
 from runs import access, compare
-from runs.models import Run, RunEvent
+from runs.models import ProjectMember, Run, RunEvent
 from training.config import RECIPES
 from training.planner.layout_costs import DEVICES
 
@@ -79,9 +79,10 @@ def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
         # A read-only member of the run's project sees no buttons that would answer 403.
         "can_change": access.can_change(request.user, run),
     }
-    return render(
-        request, "dashboard/run.html", {"run": run, "run_page": run_page, "mine": run.owner_id == request.user.pk}
-    )
+    mine = run.owner_id == request.user.pk
+    # Its owner may move the run into a project they may write to, or out of one.
+    projects = list(access.writable_projects(request.user).values("id", "name")) if mine else []
+    return render(request, "dashboard/run.html", {"run": run, "run_page": run_page, "mine": mine, "projects": projects})
 
 
 @login_required
@@ -115,6 +116,15 @@ def webhooks_page(request: HttpRequest) -> HttpResponse:
     for webhook in webhooks:
         webhook.recent = list(webhook.deliveries.all()[:WEBHOOK_DELIVERIES_SHOWN])  # type: ignore[attr-defined]
     return render(request, "dashboard/webhooks.html", {"webhooks": webhooks})
+
+
+@login_required
+def projects_page(request: HttpRequest) -> HttpResponse:
+    """The caller's projects with their members; its module changes them through the API."""
+    projects = list(access.projects_of(request.user).select_related("owner").prefetch_related("members__user"))
+    for project in projects:
+        project.role = access.role_in(request.user, project)  # type: ignore[attr-defined]
+    return render(request, "dashboard/projects.html", {"projects": projects, "roles": ProjectMember.Role.values})
 
 
 @login_required

@@ -92,15 +92,25 @@ def test_three_runs_chosen_in_the_list_compare_curve_by_curve_with_their_spec_di
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_runs_list_keeps_its_filters_in_the_url_and_the_run_page_edits_tags(
-    alice, live_web, browser_page: Page, console: ConsoleWatch
+def test_tags_a_project_and_the_runs_lists_filters_in_its_url_and_a_members_read_only_view(
+    alice, bob, live_web, browser_page: Page, console: ConsoleWatch
 ):
     page = browser_page
     tagged = make_run(alice, "sweep a", {"layout": {"dp": 2}, "nodes": {"nproc_per_node": 2}}, "succeeded", [6.0, 5.0])
     make_run(alice, "sweep b", {}, "succeeded", [6.0, 5.5])
 
     log_in(page, live_web.url, "alice", "alice-password-1")
+    page.goto(f"{live_web.url}/projects")
+    page.get_by_label("Name", exact=True).fill("scaling")
+    page.get_by_role("button", name="Create project").click()
+    expect(page.get_by_role("heading", name="scaling")).to_be_visible()
+    page.get_by_label("Add or change a member (username)").fill("bob")
+    page.get_by_role("button", name="Save member").click()
+    expect(page.locator('tr[data-username="bob"]')).to_contain_text("read")
+    screenshot(page, "projects-page.png")
+
     page.goto(f"{live_web.url}/runs/{tagged.pk}")
+    page.get_by_label("Project", exact=True).select_option(label="scaling")
     page.get_by_label("Tags", exact=True).fill("Bad Tag")
     console.allow_http_error(f"/api/runs/{tagged.pk}/", 400)
     page.get_by_role("button", name="Save tags and note").click()
@@ -110,6 +120,7 @@ def test_the_runs_list_keeps_its_filters_in_the_url_and_the_run_page_edits_tags(
     page.get_by_role("button", name="Save tags and note").click()
     expect(page.locator("#organise-saved")).to_have_text("Saved.")
     expect(page.locator("#run-tag-list .tag")).to_have_text(["sweep", "best"])
+    expect(page.locator("#run-project-label")).to_have_text("project scaling")
     screenshot(page, "run-page-tags-and-note.png")
 
     page.goto(f"{live_web.url}/?search=sweep&tag=best&layout=dp2")
@@ -130,4 +141,15 @@ def test_the_runs_list_keeps_its_filters_in_the_url_and_the_run_page_edits_tags(
     overflow = page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
     assert overflow <= 0, f"the runs list scrolls sideways by {overflow} px on a phone"
     screenshot(page, "runs-list-filtered-phone.png")
+
+    # Bob, a read-only member, sees the project's run but nothing that would change it.
+    page.set_viewport_size({"width": 1280, "height": 900})
+    log_in(page, live_web.url, "bob", "bob-password-1")
+    expect(page.locator("#runs-body tr")).to_have_count(1)
+    expect(page.locator("#runs-body tr")).to_contain_text("sweep a #1 · alice".replace("#1", f"#{tagged.pk}"))
+    page.get_by_role("link", name="sweep a").click()
+    expect(page.locator("#run-project-label")).to_have_text("project scaling · launched by alice")
+    expect(page.locator("#run-note-text")).to_have_text("Two data-parallel ranks.")
+    expect(page.locator("#organise-form")).to_have_count(0)
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "2")
     console.assert_clean()

@@ -213,7 +213,10 @@ function startLive() {
     const entry = { state: "connecting" };
     const live = new LiveEvents(`/ws/runs/${run.id}/`, (events) => onRunEvents(index, events), {
       onState: (state) => {
-        entry.state = state;
+        // LiveEvents says "reconnecting" for any connect after a seq it holds; the first one
+        // (from the comparison's last_seq) is a first connection.
+        entry.opened ||= state === "live";
+        entry.state = state === "reconnecting" && !entry.opened ? "connecting" : state;
         showLiveState();
       },
     });

@@ -189,7 +189,8 @@ action($("resume-run"), "resume", showRun);
 // --- Tags and note ---------------------------------------------------------------------------------
 
 function showOrganiseErrors(errors) {
-  for (const name of ["tags", "note"]) {
+  for (const name of ["tags", "note", "project"]) {
+    if (!$(`run-${name}`)) continue;
     const messages = errors.filter((e) => e.path.split(".")[0] === name).map((e) => e.message);
     const box = document.querySelector(`[data-error-for="${name}"]`);
     box.textContent = messages.join(" ");
@@ -206,11 +207,17 @@ $("organise-form")?.addEventListener("submit", async (event) => {
   $("organise-saved").textContent = "";
   const tags = $("run-tags").value.split(/[\s,]+/).filter(Boolean);
   try {
-    const row = await api(`/api/runs/${run.id}/`, { method: "PATCH", json: { tags, note: $("run-note").value } });
+    const body = { tags, note: $("run-note").value };
+    if ($("run-project")) body.project = $("run-project").value ? Number($("run-project").value) : null;
+    const row = await api(`/api/runs/${run.id}/`, { method: "PATCH", json: body });
     showOrganiseErrors([]);
     $("run-tags").value = row.tags.join(", ");
     $("run-tag-list").replaceChildren(...row.tags.map((tag) => h("a", { class: "tag", href: `/?tag=${encodeURIComponent(tag)}` }, tag)));
     $("organise-saved").textContent = "Saved.";
+    if ($("run-project")) {
+      $("run-project-name").textContent = row.project ? $("run-project").selectedOptions[0].textContent : "";
+      $("run-project-label").hidden = !row.project;
+    }
   } catch (exc) {
     showOrganiseErrors(exc.status === 400 ? flattenErrors(exc.data) : [{ path: "note", message: exc.message }]);
   } finally {
