@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from runs.models import Checkpoint, Dataset, Run, RunEvent
+from runs.models import Checkpoint, Dataset, Project, ProjectMember, Run, RunEvent
 
 
 @admin.register(Dataset)
@@ -10,8 +10,8 @@ class DatasetAdmin(admin.ModelAdmin):
 
 @admin.register(Run)
 class RunAdmin(admin.ModelAdmin):
-    list_display = ["name", "owner", "status", "step", "restarts", "created_at"]
-    list_filter = ["status"]
+    list_display = ["name", "owner", "status", "step", "restarts", "recipe", "project", "created_at"]
+    list_filter = ["status", "recipe"]
 
 
 @admin.register(RunEvent)
@@ -23,3 +23,14 @@ class RunEventAdmin(admin.ModelAdmin):
 @admin.register(Checkpoint)
 class CheckpointAdmin(admin.ModelAdmin):
     list_display = ["run", "step", "path", "export_path"]
+
+
+class ProjectMemberInline(admin.TabularInline):
+    model = ProjectMember
+    extra = 0
+
+
+@admin.register(Project)
+class ProjectAdmin(admin.ModelAdmin):
+    list_display = ["name", "owner", "created_at"]
+    inlines = [ProjectMemberInline]
