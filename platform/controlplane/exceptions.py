@@ -1,7 +1,8 @@
 """Bad input and refused changes, raised by the domain operations and answered in one place.
 
-`services` modules raise `InvalidInput` (a 400 naming the dotted field) and `WrongState` (a 409:
-the object's state refuses the change); the CLI prints them, and the REST API turns them into
+`services` modules raise `InvalidInput` (a 400 naming the dotted field), `WrongState` (a 409:
+the object's state refuses the change) and `Forbidden` (a 403: the caller sees the object but
+may not change it); the CLI prints them, and the REST API turns them into
 answers here, in DRF's exception handler (REST_FRAMEWORK["EXCEPTION_HANDLER"]), so no view
 catches them itself. A `SpecError` that reaches a view (the planner's query) is bad input too.
 """
@@ -31,6 +32,10 @@ class WrongState(InvalidInput):
     """A change the object's current state does not allow; the API answers 409."""
 
 
+class Forbidden(Exception):
+    """The caller sees the object but may not make this change (a read-only member); the API answers 403."""
+
+
 def nested_error(field: str, message: str) -> dict[str, Any]:
     """`spec.layout.tp` → {"spec": {"layout": {"tp": [message]}}}, DRF's shape for nested fields."""
     head, _, rest = field.partition(".")
@@ -39,7 +44,9 @@ def nested_error(field: str, message: str) -> dict[str, Any]:
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF's handler, after mapping the domain's errors to the API exceptions they mean."""
-    if isinstance(exc, WrongState):
+    if isinstance(exc, Forbidden):
+        exc = exceptions.PermissionDenied(str(exc))
+    elif isinstance(exc, WrongState):
         exc = Conflict(exc.field, exc.message)
     elif isinstance(exc, (InvalidInput, SpecError)):
         exc = exceptions.ValidationError(nested_error(exc.field, exc.message))

@@ -1,8 +1,9 @@
 """The dashboard's pages. Each renders a shell; the page's ES module fills it from the REST API
 and the websockets, so the browser and scripts see the same data through the same checks.
 
-Pages that name an object look it up among the caller's own, so another user's run or
-deployment answers 404 here as it does in the API.
+Pages that name an object look it up among the caller's own (for a run: also those of the
+caller's projects, runs.access), so anyone else's run or deployment answers 404 here as it does
+in the API.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 
+from controlplane.exceptions import InvalidInput
 from dashboard.launch_form import GROUPS
 from deployments.models import Deployment
 from notifications.models import Webhook
-from runs.models import Run, RunEvent
+from runs import access, compare
+from runs.models import ProjectMember, Run, RunEvent
 from training.config import RECIPES
 from training.planner.layout_costs import DEVICES
 
@@ -31,7 +34,10 @@ WEBHOOK_DELIVERIES_SHOWN = 10
 
 @login_required
 def runs_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/runs.html", {"statuses": Run.Status.values})
+    projects = list(access.projects_of(request.user).values("id", "name"))
+    return render(
+        request, "dashboard/runs.html", {"statuses": Run.Status.values, "recipes": list(RECIPES), "projects": projects}
+    )
 
 
 @login_required
@@ -58,7 +64,7 @@ def run_new_page(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
-    run = get_object_or_404(Run, pk=run_id, owner=request.user)
+    run = get_object_or_404(access.visible_runs(request.user).select_related("owner", "project"), pk=run_id)
     layout = run.spec.get("layout", {})
     run_page = {
         "id": run.pk,
@@ -70,8 +76,27 @@ def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
         "seq_len": int(run.spec.get("model", {}).get("seq_len", 0)) or None,
         "name": run.name,
         "keep_checkpoints": int(run.spec.get("train", {}).get("keep_checkpoints", 0)) or None,
+        # A read-only member of the run's project sees no buttons that would answer 403.
+        "can_change": access.can_change(request.user, run),
     }
-    return render(request, "dashboard/run.html", {"run": run, "run_page": run_page})
+    mine = run.owner_id == request.user.pk
+    # Its owner may move the run into a project they may write to, or out of one.
+    projects = list(access.writable_projects(request.user).values("id", "name")) if mine else []
+    return render(request, "dashboard/run.html", {"run": run, "run_page": run_page, "mine": mine, "projects": projects})
+
+
+@login_required
+def compare_page(request: HttpRequest) -> HttpResponse:
+    """`/runs/compare/?ids=3,7,9[&all=1]`: the page reads `GET /api/runs/compare/` with the same
+    query. A list of ids the API would refuse is shown here as its 400; a run not the caller's is a 404."""
+    try:
+        ids = compare.check_ids(request.GET.get("ids"))
+    except InvalidInput as exc:
+        return render(request, "dashboard/compare.html", {"error": exc.message, "ids": []}, status=400)
+    visible = set(access.visible_runs(request.user).filter(pk__in=ids).values_list("pk", flat=True))
+    if len(visible) != len(ids):
+        raise Http404("No such run among yours.")
+    return render(request, "dashboard/compare.html", {"error": "", "ids": ids})
 
 
 @login_required
@@ -94,6 +119,15 @@ def webhooks_page(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
+def projects_page(request: HttpRequest) -> HttpResponse:
+    """The caller's projects with their members; its module changes them through the API."""
+    projects = list(access.projects_of(request.user).select_related("owner").prefetch_related("members__user"))
+    for project in projects:
+        project.role = access.role_in(request.user, project)  # type: ignore[attr-defined]
+    return render(request, "dashboard/projects.html", {"projects": projects, "roles": ProjectMember.Role.values})
+
+
+@login_required
 def deployments_page(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/deployments.html")
 
@@ -109,7 +143,7 @@ def sparklines(request: HttpRequest) -> JsonResponse:
         ids = [int(part) for part in request.GET.get("runs", "").split(",") if part][:SPARKLINE_RUNS]
     except ValueError:
         return JsonResponse({"runs": ["must be a comma-separated list of run ids"]}, status=400)
-    owned = list(Run.objects.filter(owner_id=request.user.pk, pk__in=ids).values_list("pk", flat=True))
+    owned = list(access.visible_runs(request.user).filter(pk__in=ids).values_list("pk", flat=True))
     curves: dict[int, dict[int, float]] = {pk: {} for pk in owned}
     rows = (
         RunEvent.objects.filter(run_id__in=owned, kind="metrics")

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from runs.models import Checkpoint, Dataset, PretrainedModel, Run, RunEvent
+from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, Run, RunEvent
 
 
 @admin.register(Dataset)
@@ -15,8 +15,8 @@ class PretrainedModelAdmin(admin.ModelAdmin):
 
 @admin.register(Run)
 class RunAdmin(admin.ModelAdmin):
-    list_display = ["name", "owner", "status", "step", "restarts", "created_at"]
-    list_filter = ["status"]
+    list_display = ["name", "owner", "status", "step", "restarts", "recipe", "project", "created_at"]
+    list_filter = ["status", "recipe"]
 
 
 @admin.register(RunEvent)
@@ -28,3 +28,14 @@ class RunEventAdmin(admin.ModelAdmin):
 @admin.register(Checkpoint)
 class CheckpointAdmin(admin.ModelAdmin):
     list_display = ["run", "step", "path", "export_path"]
+
+
+class ProjectMemberInline(admin.TabularInline):
+    model = ProjectMember
+    extra = 0
+
+
+@admin.register(Project)
+class ProjectAdmin(admin.ModelAdmin):
+    list_display = ["name", "owner", "created_at"]
+    inlines = [ProjectMemberInline]

@@ -4,9 +4,10 @@ lines of rank 0's log."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from controlplane.streams import EventStreamConsumer
-from runs import services
+from runs import access, services
 from runs.models import Run
 
 # How often rank 0's log file is checked for new lines to stream.
@@ -16,6 +17,10 @@ LOG_POLL_SECONDS = 1.0
 class RunConsumer(EventStreamConsumer):
     url_kwarg = "run_id"
     model = Run
+
+    def load_owned(self, user: Any, object_id: int) -> Run | None:
+        """The run, if the user owns it or is a member of its project (runs.access)."""
+        return access.visible_runs(user).filter(pk=object_id).first()
 
     def group_for(self, object_id: int) -> str:
         return services.run_group(object_id)

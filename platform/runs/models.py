@@ -52,6 +52,36 @@ class PretrainedModel(models.Model):
         return self.name
 
 
+class Project(models.Model):
+    """Runs shared with members. Its runs stay their owners'; members read them (role `read`) or
+    also change them (role `write`: tags, note, cancel, resume, launch into the project).
+    `runs.access` is the one place that decides who sees and changes what."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="owned_projects")
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name", "id"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ProjectMember(models.Model):
+    class Role(models.TextChoices):
+        READ = "read"
+        WRITE = "write"
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="members")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="project_memberships")
+    role = models.CharField(max_length=5, choices=Role.choices, default=Role.READ)
+
+    class Meta:
+        ordering = ["project", "id"]
+        constraints = [models.UniqueConstraint(fields=["project", "user"], name="project_member_unique")]
+
+
 class Run(models.Model):
     class Status(models.TextChoices):
         QUEUED = "queued"
@@ -112,6 +142,14 @@ class Run(models.Model):
     # rendezvous endpoint is on the first placed host's address, kept so a re-sent launch reuses it.
     priority = models.IntegerField(default=0)
     rendezvous = models.CharField(max_length=300, blank=True)
+    # Organising (issue 18): the recipe the spec started from (empty: a run from before it was
+    # kept), and the owner's free-text note. Tags are RunTag rows, so a filter is a join.
+    recipe = models.CharField(max_length=32, blank=True, db_index=True)
+    note = models.TextField(blank=True)
+    project = models.ForeignKey(
+        Project, null=True, blank=True, on_delete=models.SET_NULL, related_name="runs",
+        help_text="Shared with the project's members; empty: the owner's alone.",
+    )  # fmt: skip
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -143,6 +181,10 @@ class Run(models.Model):
         return f"{layout.get('dp', 1)}×{layout.get('tp', 1)}×{layout.get('pp', 1)}"
 
     @property
+    def tag_names(self) -> list[str]:
+        return [tag.name for tag in self.tags.all()]
+
+    @property
     def node_count(self) -> int:
         """How many node agents the run starts: its spec's nodes.max."""
         return int(self.spec.get("nodes", {}).get("max", 1))
@@ -154,6 +196,20 @@ class Run(models.Model):
     @property
     def is_active(self) -> bool:
         return self.status in self.ACTIVE
+
+
+class RunTag(models.Model):
+    """A short label on a run (`baseline`, `lr-sweep`); `runs.organise.check_tags` says what one may be."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tags")
+    name = models.CharField(max_length=32, db_index=True)
+
+    class Meta:
+        ordering = ["run", "id"]  # the order the owner gave them
+        constraints = [models.UniqueConstraint(fields=["run", "name"], name="run_tag_unique")]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class RunEvent(Event):

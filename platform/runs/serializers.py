@@ -2,11 +2,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field, inline_serializer
 from rest_framework import serializers
 
 from controlplane.api import ModelSerializer, Text
-from runs import services
-from runs.models import Checkpoint, Dataset, PretrainedModel, Run, RunEvent
+from runs import access, compare, organise, services
+from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, Run, RunEvent
 from training.config import RECIPES
 
 
@@ -62,12 +63,20 @@ class PretrainedModelSerializer(ModelSerializer):
         )
 
 
+class RecipeField(serializers.ChoiceField):
+    """A recipe name; a run made before recipes were kept reads as null."""
+
+    def to_representation(self, value: Any) -> Any:
+        return value or None
+
+
 class RunSerializer(ModelSerializer):
-    recipe = serializers.ChoiceField(
+    recipe = RecipeField(
         choices=list(RECIPES),
         default="tiny",
-        write_only=True,
-        help_text="Defaults the spec starts from.",
+        allow_null=True,
+        help_text="Defaults the spec starts from (null or left out: tiny). Reads as null for a run made "
+        "before recipes were kept.",
         error_messages={"invalid_choice": f"must be one of {', '.join(RECIPES)}; got \"{{input}}\""},
     )
     spec = serializers.DictField(
@@ -101,17 +110,27 @@ class RunSerializer(ModelSerializer):
     )
     layout = serializers.CharField(source="layout_label", read_only=True)
     total_steps = serializers.IntegerField(read_only=True)
+    tags = serializers.ListField(
+        child=serializers.CharField(), source="tag_names", read_only=True, help_text="Set with PATCH."
+    )
+    project = serializers.PrimaryKeyRelatedField(
+        queryset=Project.objects.none(),
+        required=False,
+        allow_null=True,
+        help_text="A project you own or may write to (its id): its members see the run; empty: yours alone.",
+    )
+    owner = serializers.CharField(source="owner.username", read_only=True, help_text="Who launched the run.")
 
     class Meta:
         model = Run
         fields = [
             "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "validation_dataset", "pretrained", "priority", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
-            "created_at", "started_at", "finished_at",
+            "tags", "note", "project", "owner", "created_at", "started_at", "finished_at",
         ]
         read_only_fields = [
             "status", "status_reason", "step", "last_loss", "tokens_per_s", "restarts", "last_seq",
-            "cancel_requested", "created_at", "started_at", "finished_at",
+            "cancel_requested", "note", "created_at", "started_at", "finished_at",
         ]
         extra_kwargs = {"name": {"required": False}}
 
@@ -124,11 +143,13 @@ class RunSerializer(ModelSerializer):
             fields["validation_dataset"].queryset = Dataset.objects.filter(owner=request.user)  # type: ignore[attr-defined]
             fields["tokenizer_run"].queryset = Run.objects.filter(owner=request.user)  # type: ignore[attr-defined]
             fields["pretrained"].queryset = PretrainedModel.objects.filter(owner=request.user)  # type: ignore[attr-defined]
+            fields["project"].queryset = access.writable_projects(request.user)  # type: ignore[attr-defined]
         return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        attrs["recipe"] = attrs.get("recipe") or "tiny"
         attrs["run_spec"] = services.check_spec(
-            attrs.get("spec", {}), attrs.pop("recipe", "tiny"), attrs.get("validation_dataset"), attrs.get("pretrained")
+            attrs.get("spec", {}), attrs["recipe"], attrs.get("validation_dataset"), attrs.get("pretrained")
         )
         return attrs
 
@@ -143,7 +164,50 @@ class RunSerializer(ModelSerializer):
             priority=validated.get("priority", 0),
             validation_dataset=validated.get("validation_dataset"),
             pretrained=validated.get("pretrained"),
+            recipe=validated["recipe"],
+            project=validated.get("project"),
         )
+
+
+class OrganiseSerializer(serializers.Serializer):
+    """`PATCH /api/runs/<id>/`: what the owner may change on a run after launch. Left out: unchanged."""
+
+    tags = serializers.ListField(
+        child=Text(max_length=organise.MAX_TAG_LENGTH, error_messages={"max_length": f"a tag is {organise.TAG_RULE}"}),
+        max_length=organise.MAX_TAGS,
+        required=False,
+        help_text=f"Replaces the run's tags; each is {organise.TAG_RULE}; at most {organise.MAX_TAGS}.",
+    )
+    note = Text(required=False, allow_blank=True, max_length=organise.MAX_NOTE, help_text="Free text about the run.")
+    project = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=1,
+        help_text="The run's owner only: a project they own or may write to (its id), or null for none.",
+    )
+
+
+class MemberSerializer(serializers.Serializer):
+    username = Text(max_length=150, help_text="The user to add, or whose role to change.")
+    role = serializers.ChoiceField(choices=ProjectMember.Role.choices, default=ProjectMember.Role.READ)
+
+
+class ProjectSerializer(ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+    role = serializers.SerializerMethodField(help_text="The caller's: owner, write or read.")
+    members = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Project
+        fields = ["id", "name", "owner", "role", "members", "created_at"]
+        read_only_fields = ["created_at"]
+
+    def get_role(self, project: Project) -> str:
+        return access.role_in(self.context["request"].user, project)
+
+    @extend_schema_field(MemberSerializer(many=True))
+    def get_members(self, project: Project) -> list[dict[str, str]]:
+        return [{"username": m.user.username, "role": m.role} for m in project.members.select_related("user")]
 
 
 class CloneSerializer(serializers.Serializer):
@@ -186,3 +250,50 @@ class IngestEventSerializer(serializers.Serializer):
 class IngestSerializer(serializers.Serializer):
     source = serializers.RegexField(r"^[A-Za-z0-9_.:-]{1,64}$", help_text="The sender, e.g. node-0.")  # type: ignore[assignment]
     events = IngestEventSerializer(many=True, allow_empty=True, max_length=10000)  # type: ignore[call-arg]
+
+
+class CompareQuerySerializer(serializers.Serializer):
+    """The query of `GET /api/runs/compare/`, for the schema; `runs.compare.check_ids` checks it."""
+
+    ids = serializers.RegexField(r"^\d{1,18}(,\d{1,18}){1,7}$", help_text=f"{compare.IDS_RULE}; each one of your runs.")  # type: ignore[assignment]
+    all = serializers.BooleanField(required=False, default=False, help_text="Every spec field, not only those that differ.")
+
+
+class FigureSerializer(serializers.Serializer):
+    step = serializers.IntegerField()
+    value = serializers.FloatField()
+
+
+def _per_metric(name: str, field: Any) -> Any:
+    return inline_serializer(name, {metric: field() for metric in compare.METRICS})
+
+
+class ComparedRunSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    status = serializers.CharField(help_text="The run's status, as in the runs list.")
+    layout = serializers.CharField(help_text="dp×tp×pp")
+    recipe = serializers.CharField(allow_null=True)
+    tags = serializers.ListField(child=serializers.CharField())
+    step = serializers.IntegerField()
+    total_steps = serializers.IntegerField()
+    last_seq = serializers.IntegerField(help_text="The series hold events up to this seq; open /ws/runs/<id>/?after= it.")
+    series = _per_metric(
+        "ComparedSeries",
+        # Each point is [step, value], in step order.
+        lambda: serializers.ListField(child=serializers.ListField(child=serializers.FloatField(), min_length=2, max_length=2)),
+    )
+    final = _per_metric("FinalFigures", lambda: FigureSerializer(allow_null=True))
+    best = _per_metric("BestFigures", lambda: FigureSerializer(allow_null=True))
+
+
+class SpecFieldSerializer(serializers.Serializer):
+    field = serializers.CharField(help_text="Dotted path in the spec, e.g. train.lr.")
+    values = serializers.ListField(child=serializers.JSONField(allow_null=True), help_text="One per run, in the runs' order.")
+    differs = serializers.BooleanField()
+
+
+class ComparisonSerializer(serializers.Serializer):
+    runs = ComparedRunSerializer(many=True)
+    spec = SpecFieldSerializer(many=True, help_text="Only the fields that differ across the runs, unless all_fields.")
+    all_fields = serializers.BooleanField()

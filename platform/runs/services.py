@@ -34,7 +34,7 @@ from hosts import capacity
 from hosts.models import Host
 from notifications.services import RUN_EVENTS, notify_on_commit
 from runs import launcher
-from runs.models import Checkpoint, Dataset, PretrainedModel, Run, RunEvent
+from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run, RunEvent
 from training import pretrained as pretrained_folders
 from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
@@ -413,6 +413,8 @@ def do_create_run(
     priority: int = 0,
     validation_dataset: Dataset | None = None,
     pretrained: PretrainedModel | None = None,
+    recipe: str = "",
+    project: Project | None = None,
 ) -> Run:
     """Queues a run. The objects it names must be the owner's own: callers resolve ids among them.
 
@@ -425,7 +427,8 @@ def do_create_run(
     with transaction.atomic():
         run = Run.objects.create(
             owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run,
-            validation_dataset=validation_dataset, pretrained=pretrained, priority=priority,
+            validation_dataset=validation_dataset, pretrained=pretrained, priority=priority, recipe=recipe,
+            project=project,
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         enqueue_on_commit("runs.tasks.launch_run", run.pk)

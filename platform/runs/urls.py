@@ -3,13 +3,21 @@ from rest_framework.routers import DefaultRouter
 
 from runs.downloads import CheckpointExportDownload, RunLogsDownload
 from runs.plan import PlanView
-from runs.views import CheckpointViewSet, DatasetViewSet, PretrainedModelViewSet, RunEventsView, RunViewSet
+from runs.views import (
+    CheckpointViewSet,
+    DatasetViewSet,
+    PretrainedModelViewSet,
+    ProjectViewSet,
+    RunEventsView,
+    RunViewSet,
+)
 
 router = DefaultRouter(trailing_slash=True)
 router.register("datasets", DatasetViewSet, basename="dataset")
 router.register("pretrained-models", PretrainedModelViewSet, basename="pretrained-model")
 router.register("runs", RunViewSet, basename="run")
 router.register("checkpoints", CheckpointViewSet, basename="checkpoint")
+router.register("projects", ProjectViewSet, basename="project")
 
 urlpatterns = [
     path("runs/<int:run_id>/events/", RunEventsView.as_view(), name="run-events"),

@@ -9,23 +9,31 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound
 from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from runs import logs, services
-from runs.models import Checkpoint, Dataset, PretrainedModel, Run
+from controlplane.exceptions import InvalidInput
+from runs import access, compare, logs, organise, services
+from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run
 from runs.serializers import (
     CheckpointSerializer,
     CloneSerializer,
+    CompareQuerySerializer,
+    ComparisonSerializer,
     DatasetSerializer,
     IngestSerializer,
+    MemberSerializer,
+    OrganiseSerializer,
     PretrainedModelSerializer,
+    ProjectSerializer,
     RunEventSerializer,
     RunSerializer,
 )
+from training.config import RECIPES
 
 CHECKPOINT_ORDERING = OpenApiParameter(
     "ordering",
@@ -85,6 +93,19 @@ class PretrainedModelViewSet(
         return owned(self, PretrainedModel.objects.all())
 
 
+RUN_FILTERS = [
+    OpenApiParameter("search", str, description="Runs whose name or note contains this text (any case)."),
+    OpenApiParameter(
+        "tag", str, many=True, description="Runs that carry every one of these tags (repeat it, or separate with commas)."
+    ),
+    OpenApiParameter("status", str, description=f"Comma-separated statuses, any of: {', '.join(Run.Status.values)}."),
+    OpenApiParameter("recipe", str, enum=list(RECIPES), description="Runs launched from this recipe."),
+    OpenApiParameter("project", int, description="Runs in this project (its id)."),
+    OpenApiParameter("layout", str, description=f"Runs with this layout: {organise.LAYOUT_RULE}."),
+]
+
+
+@extend_schema_view(list=extend_schema(parameters=RUN_FILTERS))
 class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Training runs. Another user's run answers 404, as if it did not exist."""
 
@@ -92,13 +113,59 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
     conflict_actions = ("cancel", "resume")  # a run already past the state they start from answers 409
 
     def get_queryset(self) -> QuerySet[Run]:
-        runs = owned(self, Run.objects.all())
-        if status_filter := self.request.query_params.get("status"):
-            runs = runs.filter(status__in=status_filter.split(","))
+        if getattr(self, "swagger_fake_view", False):
+            return Run.objects.none()
+        # The caller's runs and their projects' runs; a change also needs access.check_can_change.
+        runs = access.visible_runs(self.request.user, Run.objects.select_related("owner").prefetch_related("tags"))
+        if self.action == "list":
+            runs = organise.filter_runs(runs, self.request.query_params)
         return runs
 
+    @extend_schema(request=OrganiseSerializer, responses=RunSerializer)
+    def partial_update(self, request: Request, pk: str) -> Response:
+        """Changes the run's tags, note and project (what is left out stays). Read-only members of
+        its project get 403; only the run's owner moves it between projects."""
+        run = self.get_object()
+        access.check_can_change(request.user, run)
+        body = OrganiseSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        changes = body.validated_data
+        project = None
+        if "project" in changes:
+            if changes["project"] is not None:
+                project = access.projects_of(request.user).filter(pk=changes["project"]).first()
+                if project is None:
+                    raise InvalidInput("project", f"you have no project {changes['project']}")
+            access.check_project_for(request.user, project, run)
+        organise.do_organise_run(run, tags=changes.get("tags"), note=changes.get("note"))
+        if "project" in changes:
+            organise.do_move_run(run, project)
+        run = self.get_queryset().get(pk=run.pk)
+        return Response(RunSerializer(run, context={"request": request}).data)
+
+    @extend_schema(
+        parameters=[CompareQuerySerializer],
+        responses={200: ComparisonSerializer, 404: inline_serializer("RunsNotFound", {"detail": serializers.CharField()})},
+    )
+    @action(detail=False, methods=["get"], pagination_class=None)
+    def compare(self, request: Request) -> Response:
+        """Per-step loss, eval loss, tokens/s and MFU of 2 to 8 of your runs, their final and best
+        figures, and the spec fields whose values differ (`?all=1`: every field). Any id that is
+        not one of your runs answers 404."""
+        ids = compare.check_ids(request.query_params.get("ids"))
+        query = {"ids": ",".join(map(str, ids)), "all": request.query_params.get("all", False)}
+        show_all = CompareQuerySerializer(data=query)
+        show_all.is_valid(raise_exception=True)
+        found = {run.pk: run for run in self.get_queryset().filter(pk__in=ids)}
+        missing = [pk for pk in ids if pk not in found]
+        if missing:
+            raise NotFound(f"No run {missing[0]} among yours.")
+        return Response(compare.comparison([found[pk] for pk in ids], show_all.validated_data["all"]))
+
     def _change(self, request: Request, operation: Callable[[Run], Run]) -> Response:
-        run = operation(self.get_object())
+        run = self.get_object()
+        access.check_can_change(request.user, run)
+        run = operation(run)
         return Response(RunSerializer(run, context={"request": request}).data)
 
     @extend_schema(request=None, responses=RunSerializer)
@@ -133,6 +200,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             "tokenizer_run": edits.get("tokenizer_run", source.tokenizer_run_id),
             "validation_dataset": edits.get("validation_dataset", source.validation_dataset_id),
             "pretrained": edits.get("pretrained", source.pretrained_id),
+            "recipe": source.recipe or "tiny",
             "spec": services.deep_merge(spec, edits.get("spec") or {}),
         }
         serializer = RunSerializer(data=body, context={"request": request})
@@ -203,7 +271,7 @@ class RunEventsView(APIView):
         responses=RunEventSerializer(many=True),
     )
     def get(self, request: Request, run_id: int) -> Response:
-        run = get_object_or_404(Run, pk=run_id, owner=request.user)
+        run = get_object_or_404(access.visible_runs(request.user), pk=run_id)
         return events_after_response(request, run.events.all(), RunEventSerializer)
 
     @extend_schema(
@@ -231,7 +299,65 @@ class CheckpointViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     serializer_class = CheckpointSerializer
 
     def get_queryset(self) -> QuerySet[Checkpoint]:
-        checkpoints = owned(self, Checkpoint.objects.select_related("run"), "run__owner")
+        if getattr(self, "swagger_fake_view", False):
+            return Checkpoint.objects.none()
+        checkpoints = access.visible_checkpoints(self.request.user).select_related("run")
         if self.action == "list":
             return services.order_checkpoints(checkpoints, self.request.query_params.get("ordering"))
         return checkpoints
+
+
+class ProjectViewSet(
+    mixins.CreateModelMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.DestroyModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Projects the caller owns or is a member of; any other answers 404. Only the owner renames
+    or deletes a project (its runs then belong to no project) and changes its members (403 for a
+    member)."""
+
+    serializer_class = ProjectSerializer
+
+    def get_queryset(self) -> QuerySet[Project]:
+        if getattr(self, "swagger_fake_view", False):
+            return Project.objects.none()
+        return access.projects_of(self.request.user).select_related("owner")
+
+    def perform_create(self, serializer: serializers.BaseSerializer) -> None:
+        serializer.save(owner=self.request.user)
+
+    def perform_destroy(self, instance: Project) -> None:
+        access.check_project_owner(self.request.user, instance)
+        instance.delete()
+
+    @extend_schema(request=ProjectSerializer, responses=ProjectSerializer)
+    def partial_update(self, request: Request, pk: str) -> Response:
+        project = self.get_object()
+        access.check_project_owner(request.user, project)
+        serializer = ProjectSerializer(project, data=request.data, partial=True, context={"request": request})
+        serializer.is_valid(raise_exception=True)
+        serializer.save()
+        return Response(serializer.data)
+
+    @extend_schema(request=MemberSerializer, responses=ProjectSerializer)
+    @action(detail=True, methods=["post"])
+    def members(self, request: Request, pk: str) -> Response:
+        """Adds a member by username, or changes their role (read or write)."""
+        project = self.get_object()
+        access.check_project_owner(request.user, project)
+        body = MemberSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        access.do_set_member(project, body.validated_data["username"], body.validated_data["role"])
+        return Response(ProjectSerializer(project, context={"request": request}).data)
+
+    @extend_schema(request=None, responses=ProjectSerializer)
+    @action(detail=True, methods=["delete"], url_path=r"members/(?P<username>[^/]+)")
+    def remove_member(self, request: Request, pk: str, username: str) -> Response:
+        """Removes a member; they no longer see the project's runs. 404 if they were not one."""
+        project = self.get_object()
+        access.check_project_owner(request.user, project)
+        if not access.do_remove_member(project, username):
+            raise NotFound(f"{username!r} is not a member of this project.")
+        return Response(ProjectSerializer(project, context={"request": request}).data)

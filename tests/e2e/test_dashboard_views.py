@@ -7,7 +7,7 @@ import pytest
 
 from dashboard.views import SPARKLINE_POINTS
 from deployments.models import Deployment
-from runs.models import Checkpoint, Run, RunEvent
+from runs.models import Checkpoint, Project, ProjectMember, Run, RunEvent
 
 pytestmark = pytest.mark.django_db
 
@@ -29,7 +29,7 @@ def run_with_losses(owner, losses: dict[int, float], name: str = "run") -> Run:
 
 def test_every_page_asks_for_a_login(client, alice):
     run = Run.objects.create(owner=alice, name="mine", spec={})
-    for path in ("/", "/runs/new", f"/runs/{run.pk}", "/deployments", "/hosts", "/dashboard/sparklines/?runs=1"):
+    for path in ("/", "/runs/new", f"/runs/{run.pk}", f"/runs/compare/?ids={run.pk},1", "/deployments", "/hosts", "/dashboard/sparklines/?runs=1"):
         response = client.get(path)
         assert response.status_code == 302 and response.url.startswith("/login/"), path
 
@@ -38,12 +38,14 @@ def test_another_users_run_and_deployment_pages_answer_404(client, alice, bob):
     run = Run.objects.create(owner=alice, name="mine", spec={})
     checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
     deployment = Deployment.objects.create(owner=alice, name="d", checkpoint=checkpoint, served_model_name="d")
+    bobs = Run.objects.create(owner=bob, name="bob's", spec={})
     client.force_login(bob)
-    for path in (f"/runs/{run.pk}", f"/deployments/{deployment.pk}"):
+    for path in (f"/runs/{run.pk}", f"/deployments/{deployment.pk}", f"/runs/compare/?ids={bobs.pk},{run.pk}"):
         page = client.get(path)
         assert page.status_code == 404
         # The dashboard's own page, with the way back, not a bare "Not Found".
         assert b"Your runs" in page.content and b"Log out bob" in page.content
+    assert client.get(f"/runs/compare/?ids={bobs.pk}").status_code == 400  # one run is no comparison
     client.force_login(alice)
     assert b"mine" in client.get(f"/runs/{run.pk}").content
     assert client.get(f"/deployments/{deployment.pk}").status_code == 200
@@ -94,3 +96,17 @@ def test_sparklines_leave_out_other_users_runs_and_reject_a_malformed_list(clien
     client.force_login(alice)
     assert set(client.get(f"/dashboard/sparklines/?runs={mine.pk},{theirs.pk}").json()) == {str(mine.pk)}
     assert client.get("/dashboard/sparklines/?runs=1,x").status_code == 400
+
+
+def test_a_project_members_run_page_shows_the_run_without_changes_for_a_reader(client, alice, bob, django_user_model):
+    project = Project.objects.create(owner=alice, name="scaling")
+    ProjectMember.objects.create(project=project, user=bob, role="read")
+    run = Run.objects.create(owner=alice, name="shared", spec={}, project=project, note="Alice's notes.")
+    client.force_login(bob)
+    page = client.get(f"/runs/{run.pk}")
+    assert page.status_code == 200
+    assert "scaling</span> · launched by alice" in page.content.decode()
+    assert b"Alice&#x27;s notes." in page.content and b"organise-form" not in page.content
+    assert client.get(f"/runs/compare/?ids={run.pk},{run.pk + 1}").status_code == 404
+    client.force_login(django_user_model.objects.create_user("dave"))
+    assert client.get(f"/runs/{run.pk}").status_code == 404

@@ -173,6 +173,7 @@ def test_every_page_fits_a_phone_screen_and_its_controls_have_labels(
         ("/runs/new", "#f-dataset option", "phone-launch-form.png"),
         (f"/runs/{run.pk}", '#chart-loss[data-points="5"]', "phone-run-page.png"),
         ("/deployments", "#deployments-empty:not([hidden])", "phone-deployments.png"),
+        ("/projects", "#new-project", "phone-projects.png"),
     ):
         page.goto(live_web.url + path)
         expect(page.locator(ready).first).to_be_attached()

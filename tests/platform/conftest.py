@@ -38,6 +38,11 @@ def bob(django_user_model):
     return django_user_model.objects.create_user("bob", password="bob-password-1")
 
 
+@pytest.fixture
+def charlie(django_user_model):
+    return django_user_model.objects.create_user("charlie", password="charlie-password-1")
+
+
 def client_for(user) -> APIClient:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.get_or_create(user=user)[0].key}")
@@ -52,6 +57,11 @@ def alice_api(alice) -> APIClient:
 @pytest.fixture
 def bob_api(bob) -> APIClient:
     return client_for(bob)
+
+
+@pytest.fixture
+def charlie_api(charlie) -> APIClient:
+    return client_for(charlie)
 
 
 def free_port() -> int:

@@ -3,7 +3,9 @@
 
 import uPlot from "../../vendor/uplot-1.6.32/uPlot.esm.js";
 
-const PALETTE = ["#1f6feb", "#d1242f", "#2e7d32", "#8250df", "#bf8700"];
+// Eight colours that stay apart on white and for common colour blindness (the compare page
+// draws up to eight runs); the first two are the run page's loss and eval loss.
+export const PALETTE = ["#1f6feb", "#d1242f", "#2e7d32", "#8250df", "#bf8700", "#0a7d8c", "#e16f24", "#57606a"];
 // Time ticks on whole seconds, minutes and hours only.
 const SECOND_INCREMENTS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 43200, 86400];
 const STEP_INCREMENTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
@@ -68,6 +70,7 @@ export class LineChart {
     };
     this.opts = opts;
     this.plot = new uPlot(opts, this.data, container);
+    this.showTwinsInLegend();
     this.container.dataset.points = "0";
     new ResizeObserver(() => {
       const width = Math.max(this.container.clientWidth, 200);
@@ -81,6 +84,13 @@ export class LineChart {
     this.maxX = Math.max(this.maxX, x);
     this.points.set(x, ys.map((y) => (typeof y === "number" && Number.isFinite(y) ? y : null)));
     this.schedule();
+  }
+
+  /** Sets series `index` at x, keeping the other series' values there (one run of many). */
+  putAt(x, index, y) {
+    const ys = this.points.get(x) ?? this.names.map(() => null);
+    ys[index] = y;
+    this.put(x, ys);
   }
 
   /** Vertical lines at x values: restarts, checkpoints. `[{x, color, label}]` */
@@ -104,6 +114,8 @@ export class LineChart {
     this.data = [xs, ...raw, ...(this.smoothable ? raw.map((ys) => smooth(ys, this.smoothing)) : [])];
     this.plot.setData(this.data);
     this.container.dataset.points = String(xs.length);
+    // How many series hold a point: the curves a reader sees.
+    this.container.dataset.curves = String(raw.filter((ys) => ys.some((y) => y != null)).length);
     this.showLatest(this.plot);
   }
 
@@ -117,8 +129,20 @@ export class LineChart {
       // The raw curve stays, faded, as W&B and TensorBoard draw it.
       this.plot.series[1 + i].alpha = weight > 0 ? 0.25 : 1;
     });
+    this.showTwinsInLegend();
     this.container.dataset.smoothing = String(weight);
     this.schedule();
+  }
+
+  /** The smoothed twins' legend rows only while smoothing is on: off, they would list dashes. */
+  showTwinsInLegend() {
+    if (!this.smoothable) return;
+    const rows = this.plot.root.querySelectorAll(".u-legend .u-series");
+    const n = this.names.length;
+    for (let i = 0; i < n; i++) {
+      const row = rows[1 + n + i];
+      if (row) row.hidden = !(this.smoothing > 0);
+    }
   }
 
   /** A logarithmic y axis (positive values only), or back to linear. */
@@ -127,6 +151,7 @@ export class LineChart {
     this.opts.width = this.plot.width;
     this.plot.destroy();
     this.plot = new uPlot(this.opts, this.data, this.container);
+    this.showTwinsInLegend();
     if (this.smoothing > 0) this.setSmoothing(this.smoothing);
     this.container.dataset.scale = on ? "log" : "linear";
     this.schedule();

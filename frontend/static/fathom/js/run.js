@@ -1,9 +1,9 @@
 // The run page: history then live events over the run's websocket (resuming after the last
 // seq held across reconnects), curves, rank health, timeline, checkpoints, log, and actions.
 
-import { api } from "./api.js";
+import { api, flattenErrors } from "./api.js";
 import { LineChart, formatNumber } from "./chart.js";
-import { every, pageData } from "./dom.js";
+import { every, h, pageData } from "./dom.js";
 import { LiveEvents } from "./live.js";
 import { RankGrid } from "./ranks.js";
 import { Checkpoints, LogTail } from "./run_panels.js";
@@ -135,8 +135,8 @@ function showStatus(next) {
   badge.textContent = status;
   badge.className = `badge status-${status}`;
   badge.dataset.status = status;
-  $("cancel-run").hidden = !ACTIVE.has(status) || cancelRequested;
-  $("resume-run").hidden = !(status === "failed" || status === "cancelled");
+  $("cancel-run").hidden = !run.can_change || !ACTIVE.has(status) || cancelRequested;
+  $("resume-run").hidden = !run.can_change || !(status === "failed" || status === "cancelled");
   showLiveState($("live-state").dataset.state);
   showSilence();
   if (wasActive && !ACTIVE.has(status)) {
@@ -185,6 +185,45 @@ function action(button, path, after, question = null) {
 
 action($("cancel-run"), "cancel", showRun, `Cancel run "${run.name}"? Its ranks stop; it can be resumed from its latest checkpoint.`);
 action($("resume-run"), "resume", showRun);
+
+// --- Tags and note ---------------------------------------------------------------------------------
+
+function showOrganiseErrors(errors) {
+  for (const name of ["tags", "note", "project"]) {
+    if (!$(`run-${name}`)) continue;
+    const messages = errors.filter((e) => e.path.split(".")[0] === name).map((e) => e.message);
+    const box = document.querySelector(`[data-error-for="${name}"]`);
+    box.textContent = messages.join(" ");
+    box.hidden = messages.length === 0;
+    $(`run-${name}`).setAttribute("aria-invalid", String(messages.length > 0));
+  }
+}
+
+// A read-only member of the run's project gets no form (the page leaves it out).
+$("organise-form")?.addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const button = $("organise-save");
+  button.disabled = true;
+  $("organise-saved").textContent = "";
+  const tags = $("run-tags").value.split(/[\s,]+/).filter(Boolean);
+  try {
+    const body = { tags, note: $("run-note").value };
+    if ($("run-project")) body.project = $("run-project").value ? Number($("run-project").value) : null;
+    const row = await api(`/api/runs/${run.id}/`, { method: "PATCH", json: body });
+    showOrganiseErrors([]);
+    $("run-tags").value = row.tags.join(", ");
+    $("run-tag-list").replaceChildren(...row.tags.map((tag) => h("a", { class: "tag", href: `/?tag=${encodeURIComponent(tag)}` }, tag)));
+    $("organise-saved").textContent = "Saved.";
+    if ($("run-project")) {
+      $("run-project-name").textContent = row.project ? $("run-project").selectedOptions[0].textContent : "";
+      $("run-project-label").hidden = !row.project;
+    }
+  } catch (exc) {
+    showOrganiseErrors(exc.status === 400 ? flattenErrors(exc.data) : [{ path: "note", message: exc.message }]);
+  } finally {
+    button.disabled = false;
+  }
+});
 
 // --- Deploy: a checkpoint to replicas, with a name, replica count and options --------------------
 

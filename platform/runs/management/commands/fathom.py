@@ -81,7 +81,7 @@ class Command(BaseCommand):
         elif dataset:
             chosen = services.do_create_dataset(owner, Path(dataset).name, path=dataset, by_administrator=True)
         run_spec = services.check_spec(overrides, recipe)
-        return services.do_create_run(owner, name or spec.stem, run_spec, chosen)
+        return services.do_create_run(owner, name or spec.stem, run_spec, chosen, recipe=recipe)
 
     def watch(self, run_id: int) -> None:
         run = self.get_run(run_id)

@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0006_checkpoint_eval_loss_run_validation_dataset'),
+        ('runs', '0008_projects'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
