@@ -8,11 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from django.core.files.uploadedfile import SimpleUploadedFile
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from runs.models import PretrainedModel, Run
+from tests.training.test_pretrained import save_small_llama
 from training.data import save_tokenizer, train_tokenizer
 
 pytestmark = pytest.mark.django_db
@@ -20,12 +19,7 @@ pytestmark = pytest.mark.django_db
 
 def write_llama_folder(folder: Path) -> Path:
     """A small random Llama as `transformers` saves it, with a byte-level tokenizer beside it."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
+    save_small_llama(folder, hidden_size=64)
     documents = (f"document {i} about counting {i} sheep" for i in range(200))
     save_tokenizer(train_tokenizer(documents, 512), folder, 64)
     return folder

@@ -175,13 +175,18 @@ def llama_style_folder(folder: Path, dataset: Path) -> Path:
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
     # Head size 32: one vLLM's CPU attention computes, so tests/serving serves its export too.
-    llama = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+    return save_small_llama(folder, hidden_size=128)
+
+
+def save_small_llama(folder: Path, hidden_size: int) -> Path:
+    """A random 2-layer Llama (4 heads, 2 KV heads, 512 tokens, 64 positions) saved by transformers."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
-    LlamaForCausalLM(llama).save_pretrained(folder)
+    LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
 
