@@ -63,6 +63,11 @@ class RunSerializer(ModelSerializer):
         help_text="One of your datasets (its id) held out for evaluation; empty: spec.data.validation_fraction "
         "of the dataset, or none.",
     )
+    slurm = serializers.DictField(
+        required=False,
+        help_text="Under the Slurm executor: overrides of the install's Slurm options (partition, account, qos, "
+        "time_limit, gpus_per_node); the run shows them resolved.",
+    )
     layout = serializers.CharField(source="layout_label", read_only=True)
     total_steps = serializers.IntegerField(read_only=True)
 
@@ -71,11 +76,11 @@ class RunSerializer(ModelSerializer):
         fields = [
             "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "validation_dataset", "priority", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
-            "created_at", "started_at", "finished_at",
+            "created_at", "started_at", "finished_at", "slurm", "slurm_job_id",
         ]
         read_only_fields = [
             "status", "status_reason", "step", "last_loss", "tokens_per_s", "restarts", "last_seq",
-            "cancel_requested", "created_at", "started_at", "finished_at",
+            "cancel_requested", "created_at", "started_at", "finished_at", "slurm_job_id",
         ]
         extra_kwargs = {"name": {"required": False}}
 
@@ -93,6 +98,7 @@ class RunSerializer(ModelSerializer):
         attrs["run_spec"] = services.check_spec(
             attrs.get("spec", {}), attrs.pop("recipe", "tiny"), attrs.get("validation_dataset")
         )
+        attrs["slurm_options"] = services.check_slurm_options(attrs.pop("slurm", None))
         return attrs
 
     def create(self, validated: dict[str, Any]) -> Run:
@@ -105,6 +111,7 @@ class RunSerializer(ModelSerializer):
             validated.get("tokenizer_run"),
             priority=validated.get("priority", 0),
             validation_dataset=validated.get("validation_dataset"),
+            slurm_options=validated["slurm_options"],
         )
 
 
