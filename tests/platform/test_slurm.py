@@ -2,8 +2,7 @@
 
 Real processes throughout: munge, slurmctld and slurmd (tools/slurm_cluster.py), the web
 process, a Celery worker with beat (its watch_slurm_jobs reads squeue), and the node agents
-that the job's srun starts. The node has 2 CPUs and a dp2 run's job asks for both, so a second
-run waits in Slurm's queue while the first runs.
+that the job's srun starts. A run waiting in Slurm's queue and cancels: tests/e2e/test_slurm_pages.py.
 """
 
 from __future__ import annotations
@@ -16,11 +15,10 @@ import subprocess
 import pytest
 from rest_framework.authtoken.models import Token
 
-from runs.models import Checkpoint, Run
+from runs.models import Run
 from runs.tasks import watch_slurm_jobs
 from tests.platform.test_run_lifecycle import STORY, api, follow, wait_until
 from training.config import RECIPES
-from training.run_dir import CheckpointDir
 
 pytestmark = pytest.mark.slow
 
@@ -108,41 +106,3 @@ def test_a_dp2_run_submitted_through_the_api_trains_as_a_slurm_job(slurm, alice,
     assert [job_field(slurm, job_id, f) for f in ("Partition", "Account", "TimeLimit")] == ["debug", "lab", "00:15:00"]
     wait_until(lambda: job_field(slurm, job_id, "JobState") == "COMPLETED", 60, "the job to complete")
     assert client.get(f"/api/runs/{run_id}/").json()["slurm_job_id"] == job_id
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_second_run_waits_in_the_slurm_queue_and_cancels_stop_both_jobs(slurm, alice, live_web, celery_worker_with_beat):
-    client = api(live_web, alice)
-    long = {"layout": {"dp": 2}, "train": {"steps": 2000, "checkpoint_interval": 2, "global_batch": 4}}
-    first = client.post("/api/runs/", json={"name": "holds the node", "spec": long}).json()["id"]
-    wait_until(lambda: Checkpoint.objects.filter(run_id=first).exists(), 300, "the first run's first checkpoint")
-    second = client.post("/api/runs/", json={"name": "waits", "spec": DP2}).json()["id"]
-
-    def second_waits_for_resources() -> bool:
-        return "(Resources)" in client.get(f"/api/runs/{second}/").json()["status_reason"]
-
-    wait_until(second_waits_for_resources, 60, "the second run to show Slurm's reason")
-    waiting = client.get(f"/api/runs/{second}/").json()
-    second_job = waiting["slurm_job_id"]
-    assert waiting["status"] == "queued"
-    assert waiting["status_reason"] == (
-        f"waiting: Slurm job {second_job} pending, 1st in partition debug: "
-        "waiting for resources (the nodes it needs are busy) (Resources)"
-    )
-    assert job_field(slurm, second_job, "JobState") == "PENDING"
-
-    # Cancelling the waiting run takes its job out of Slurm's queue at once.
-    assert client.post(f"/api/runs/{second}/cancel/", json={}).json()["status"] == "cancelled"
-    wait_until(lambda: second_job not in squeue_ids(slurm), 30, "the second job to leave the queue")
-
-    # Cancelling the running one: its agents stop the ranks cleanly, the job ends by itself.
-    first_job = Run.objects.get(pk=first).slurm_job_id
-    assert client.post(f"/api/runs/{first}/cancel/", json={}).status_code == 200
-    wait_until(lambda: Run.objects.get(pk=first).status == "cancelled", 120, "the first run to be cancelled")
-    wait_until(lambda: first_job not in squeue_ids(slurm), 60, "the first job to leave the queue")
-    run = Run.objects.get(pk=first)
-    kept = Checkpoint.objects.filter(run=run).order_by("-step").first()
-    assert kept is not None and CheckpointDir(run.run_dir.checkpoint(kept.step)).is_committed
-    assert run.events.filter(kind="cancelled", source="node-0").exists()  # the agent's own outcome
-    # The job ended by itself, with the agent's exit status for "cancelled", not by scancel.
-    assert (job_field(slurm, first_job, "JobState"), job_field(slurm, first_job, "ExitCode")) == ("FAILED", "3:0")
