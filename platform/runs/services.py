@@ -604,6 +604,8 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
                 changes["finished_at"] = now
             if status == Run.Status.RUNNING and row["started_at"] is None:
                 changes["started_at"] = now
+            if status == Run.Status.RUNNING:
+                changes["status_reason"] = ""  # a running run waits for nothing (a requeued job's reason goes)
         back_after = _note_report(source, row["node_reports"], row["silent_nodes"], changes)
         if changes:
             Run.objects.filter(pk=run.pk).update(**changes)

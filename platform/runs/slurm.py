@@ -116,6 +116,9 @@ def agent_script(run: Run, token: str) -> str:
     args = launcher.agent_arguments(run, run_dir.path, node, rdzv, token)
     if run.node_count > 1:
         args += ["--host-store", "no"]  # the batch script runs the store
+    # Slurm's SIGTERM (requeue, preemption, time limit) ends the job, not the run; Fathom's
+    # cancel is the marker.
+    args += ["--sigterm", "stop"]
     lock = shlex.quote(str(run_dir.path)) + '/agent-node"$SLURM_NODEID".lock'
     command = _shell([settings.TRAINING_PYTHON, "-m", "training.agent", *args], frozenset({node, rdzv}))
     return (

@@ -196,8 +196,15 @@ def watch_slurm_jobs() -> int:
     for run in runs:
         state = states[run.pk]
         if state.waiting:
-            if run.slurm_job_id != slurm.SUBMITTING:
+            if run.slurm_job_id == slurm.SUBMITTING:
+                continue
+            if run.status == Run.Status.QUEUED:
                 services.do_note_waiting(run, f"waiting: {state.waiting}", slurm_job=run.slurm_job_id)
+            elif run.status in (Run.Status.STARTING, Run.Status.RUNNING):
+                # Slurm requeued the job (preemption, a node failure, scontrol requeue): its agents
+                # stopped (`stopped`), and the job's next start resumes from the newest checkpoint.
+                reason = f"requeued by Slurm: {state.waiting}"
+                moved += services.do_set_status(run, Run.Status.RESTARTING, reason, only_from=[run.status])
         elif state.alive:
             if run.status == Run.Status.QUEUED:
                 moved += services.do_set_status(run, Run.Status.STARTING, "", only_from=[Run.Status.QUEUED])
@@ -208,14 +215,15 @@ def watch_slurm_jobs() -> int:
                     log.warning("run %s: %s", run.pk, exc)
         else:
             # The agents deliver their last events before they exit, and the job ends after
-            # them: a run still active here was left without an outcome (the UPDATE is
-            # conditional, so an outcome that landed since this pass read the run wins).
+            # them: a run still active here was left without an outcome (the time limit, a
+            # scancel outside Fathom: its agents only reported `stopped`). The UPDATE is
+            # conditional, so an outcome that landed since this pass read the run wins.
             if run.cancel_requested:
                 status, reason = Run.Status.CANCELLED, f"{state.ended} after the cancel"
             elif state.lost:
                 status, reason = Run.Status.FAILED, state.ended
             else:
-                status, reason = Run.Status.FAILED, f"{state.ended} before its node agents reported an outcome"
+                status, reason = Run.Status.FAILED, f"{state.ended} before the run finished"
             moved += services.do_set_status(run, status, reason, only_from=[run.status])
     return moved
 

@@ -74,7 +74,7 @@ def test_a_run_whose_job_ended_before_its_agents_reported_fails_saying_how(slurm
     assert watch_slurm_jobs() == 1
     run.refresh_from_db()
     assert (run.status, run.status_reason) == (
-        "failed", f"Slurm job {job_id} ended FAILED (NonZeroExitCode) before its node agents reported an outcome"
+        "failed", f"Slurm job {job_id} ended FAILED (NonZeroExitCode) before the run finished"
     )
 
 
@@ -106,3 +106,35 @@ def test_a_dp2_run_submitted_through_the_api_trains_as_a_slurm_job(slurm, alice,
     assert [job_field(slurm, job_id, f) for f in ("Partition", "Account", "TimeLimit")] == ["debug", "lab", "00:15:00"]
     wait_until(lambda: job_field(slurm, job_id, "JobState") == "COMPLETED", 60, "the job to complete")
     assert client.get(f"/api/runs/{run_id}/").json()["slurm_job_id"] == job_id
+
+
+def scontrol(cluster, *args: str) -> None:
+    subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True, env=dict(os.environ, **cluster.env()))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_slurm_requeues_resumes_from_its_checkpoint_on_the_same_loss_curve(slurm, alice, live_web, celery_worker_with_beat):
+    client = api(live_web, alice)
+    spec = {"layout": {"dp": 2}, "train": {"steps": 24, "checkpoint_interval": 8, "global_batch": 4}}
+    run_id = client.post("/api/runs/", json={"name": "requeued", "spec": spec}).json()["id"]
+    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["step"] >= 10, 300, "step 10")
+    job_id = client.get(f"/api/runs/{run_id}/").json()["slurm_job_id"]
+
+    scontrol(slurm, "requeue", job_id)  # what preemption or a failed node does: SIGTERM, then back to the queue
+    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status"] == "restarting", 60, "the run to wait for its job")
+    assert client.get(f"/api/runs/{run_id}/").json()["status_reason"].startswith(f"requeued by Slurm: Slurm job {job_id} pending")
+    scontrol(slurm, "update", f"JobId={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 minutes
+    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status"] == "succeeded", 300, "the run to succeed")
+
+    run = Run.objects.get(pk=run_id)
+    assert run.slurm_job_id == job_id and run.status_reason == ""
+    kinds = list(run.events.values_list("kind", flat=True))
+    assert kinds.count("agent_started") == 2 and "stopped" in kinds and "cancelled" not in kinds
+    resumed = run.events.filter(kind="resumed").values_list("data__step", flat=True).get()
+    losses: dict[int, list[float]] = {}
+    for step, loss in run.events.filter(kind="metrics").order_by("seq").values_list("data__step", "data__loss"):
+        losses.setdefault(step, []).append(loss)
+    assert sorted(losses) == list(range(1, 25))
+    repeated = {step: seen for step, seen in losses.items() if len(seen) > 1}
+    assert repeated and min(repeated) == resumed + 1
+    assert all(seen[0] == seen[1] for seen in repeated.values()), repeated  # bitwise: the same curve
