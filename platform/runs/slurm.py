@@ -172,9 +172,25 @@ address=$(scontrol show node "$first" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p
 port=$({python} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
 export FATHOM_RDZV="${{address:-$first}}:$port"
 echo "fathom: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous at $FATHOM_RDZV"
-{store}# Slurm signals the time limit ahead of the kill; checkpointing on it is not built yet, so it
-# is only logged (without a trap the signal would end this shell, and with it the job).
-trap 'echo "fathom: Slurm says the time limit is {TIME_LIMIT_WARNING_S} s away"' {TIME_LIMIT_SIGNAL}
+{store}# Slurm signals the time limit {TIME_LIMIT_WARNING_S} s ahead of the kill. The job is requeued (its agents
+# stop, and its next start resumes from the newest checkpoint) only if it committed a newer
+# checkpoint than it started from: a run that cannot checkpoint within its time limit would
+# otherwise be requeued forever. (The ranks do not checkpoint on the signal itself yet.)
+committed() {{
+    {python} -c 'import sys; from pathlib import Path; from training.checkpoint_storage import latest_committed_step as step; print(step(Path(sys.argv[1]), sys.argv[2]))' \
+        {shlex.quote(str(run_dir.path))} {shlex.quote(str(run.spec.get("data", {}).get("storage", "")))}
+}}
+started_from=$(committed)
+on_time_limit() {{
+    now=$(committed)
+    if [ "$now" -gt "$started_from" ]; then
+        echo "fathom: the time limit is {TIME_LIMIT_WARNING_S} s away; requeueing (checkpoint step $now, started from $started_from)"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "fathom: the time limit is {TIME_LIMIT_WARNING_S} s away; no checkpoint since the job started (step $started_from): not requeued"
+    fi
+}}
+trap on_time_limit {TIME_LIMIT_SIGNAL}
 srun --nodes={need.nodes} --ntasks-per-node=1 --kill-on-bad-exit=0 \\
     --output={shlex.quote(str(run_dir.logs_dir))}/agent-node%n.log --open-mode=append \\
     bash {shlex.quote(str(run_dir.slurm_agent_script))} &

@@ -200,10 +200,10 @@ def watch_slurm_jobs() -> int:
                 continue
             if run.status == Run.Status.QUEUED:
                 services.do_note_waiting(run, f"waiting: {state.waiting}", slurm_job=run.slurm_job_id)
-            elif run.status in (Run.Status.STARTING, Run.Status.RUNNING):
-                # Slurm requeued the job (preemption, a node failure, scontrol requeue): its agents
-                # stopped (`stopped`), and the job's next start resumes from the newest checkpoint.
-                reason = f"requeued by Slurm: {state.waiting}"
+            elif (reason := f"requeued by Slurm: {state.waiting}") != run.status_reason:
+                # Slurm requeued the job (preemption, a node failure, the time limit): its agents
+                # stopped (`stopped`; one may have begun a restart of ranks that Slurm's SIGTERM
+                # reached first), and the job's next start resumes from the newest checkpoint.
                 moved += services.do_set_status(run, Run.Status.RESTARTING, reason, only_from=[run.status])
         elif state.alive:
             if run.status == Run.Status.QUEUED:

@@ -113,21 +113,36 @@ def scontrol(cluster, *args: str) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_job_slurm_requeues_resumes_from_its_checkpoint_on_the_same_loss_curve(slurm, alice, live_web, celery_worker_with_beat):
+def test_a_job_warned_of_its_time_limit_requeues_itself_and_the_run_resumes_on_the_same_loss_curve(
+    slurm, alice, live_web, celery_worker_with_beat
+):
     client = api(live_web, alice)
-    spec = {"layout": {"dp": 2}, "train": {"steps": 24, "checkpoint_interval": 8, "global_batch": 4}}
+    # Rank 1 freezes at step 18 (once, and no hang timeout within the test), so the job is
+    # stopped after the checkpoint of step 12 and before any other, whatever the machine's speed.
+    spec = {
+        "layout": {"dp": 2}, "train": {"steps": 24, "checkpoint_interval": 12, "global_batch": 4},
+        "nodes": {"heartbeat_timeout": 600}, "faults": [{"kind": "hang_rank", "rank": 1, "step": 18}],
+    }  # fmt: skip
     run_id = client.post("/api/runs/", json={"name": "requeued", "spec": spec}).json()["id"]
-    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["step"] >= 10, 300, "step 10")
+    wait_until(
+        lambda: client.get(f"/api/runs/{run_id}/checkpoints/").json() and client.get(f"/api/runs/{run_id}/").json()["step"] >= 15,
+        300, "the checkpoint of step 12 and step 15",
+    )  # fmt: skip
     job_id = client.get(f"/api/runs/{run_id}/").json()["slurm_job_id"]
 
-    scontrol(slurm, "requeue", job_id)  # what preemption or a failed node does: SIGTERM, then back to the queue
-    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status"] == "restarting", 60, "the run to wait for its job")
-    assert client.get(f"/api/runs/{run_id}/").json()["status_reason"].startswith(f"requeued by Slurm: Slurm job {job_id} pending")
+    # What Slurm sends the batch shell before the time limit (--signal=B:USR1@60): the job has a
+    # newer checkpoint than it started from, so it requeues itself (scontrol requeue: SIGTERM to
+    # the agents, which stop, and back to the queue, as after a preemption).
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, env=dict(os.environ, **slurm.env()))
+    requeued = f"requeued by Slurm: Slurm job {job_id} pending"
+    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status_reason"].startswith(requeued), 60, "the requeue")
+    assert client.get(f"/api/runs/{run_id}/").json()["status"] == "restarting"
     scontrol(slurm, "update", f"JobId={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 minutes
     wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status"] == "succeeded", 300, "the run to succeed")
 
     run = Run.objects.get(pk=run_id)
     assert run.slurm_job_id == job_id and run.status_reason == ""
+    assert "; requeueing (checkpoint step 12, started from 0)" in run.run_dir.slurm_log(job_id).read_text()
     kinds = list(run.events.values_list("kind", flat=True))
     assert kinds.count("agent_started") == 2 and "stopped" in kinds and "cancelled" not in kinds
     resumed = run.events.filter(kind="resumed").values_list("data__step", flat=True).get()
@@ -136,5 +151,5 @@ def test_a_job_slurm_requeues_resumes_from_its_checkpoint_on_the_same_loss_curve
         losses.setdefault(step, []).append(loss)
     assert sorted(losses) == list(range(1, 25))
     repeated = {step: seen for step, seen in losses.items() if len(seen) > 1}
-    assert repeated and min(repeated) == resumed + 1
+    assert resumed == 12 and {13, 14, 15} <= set(repeated) and min(repeated) == 13
     assert all(seen[0] == seen[1] for seen in repeated.values()), repeated  # bitwise: the same curve
