@@ -11,8 +11,9 @@ cluster's configuration, state, spool, logs and pid files live in DIR (default
 `sacct` has nothing; the control plane then reads `squeue` and `scontrol`).
 
 `start()` is idempotent: daemons whose pid files name live processes are kept (a cluster a
-previous test session left is reused). `stop()` ends the two Slurm daemons by their pid files;
-munged is shared with anything else on the machine that uses munge, and is left running.
+previous test session left is reused). `stop()` cancels the cluster's jobs, then ends the two
+Slurm daemons by their pid files; munged is shared with anything else on the machine that uses
+munge, and is left running.
 """
 
 from __future__ import annotations
@@ -185,7 +186,20 @@ class SlurmCluster:
         return out.stdout.strip().rstrip("*~#") if out.returncode == 0 else ""
 
     def stop(self) -> None:
-        """Ends slurmd and slurmctld (their jobs' processes with slurmd's steps) by pid file."""
+        """Cancels the cluster's jobs (a job's slurmstepd outlives slurmd), then ends slurmd and
+        slurmctld by pid file."""
+        if self._running("slurmctld"):
+            env = dict(os.environ, **self.env())
+            try:
+                subprocess.run(["scancel", f"--user={os.getuid()}"], env=env, capture_output=True, timeout=10)
+                deadline = time.monotonic() + 30  # KillWait (10 s) and the steps' exit
+                while time.monotonic() < deadline:
+                    queue = subprocess.run(["squeue", "--noheader"], env=env, capture_output=True, text=True, timeout=10)
+                    if queue.returncode != 0 or not queue.stdout.strip():
+                        break
+                    time.sleep(0.5)
+            except (OSError, subprocess.SubprocessError):
+                pass  # the daemons are stopped regardless
         for daemon in ("slurmd", "slurmctld"):
             pid = _read_pid(self._pid_file(daemon))
             if pid is None or not _alive(pid):

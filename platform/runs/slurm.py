@@ -163,6 +163,7 @@ def batch_script(run: Run, options: SlurmOptions) -> str:
             f"{store_command} >> {shlex.quote(str(run_dir.rendezvous_store_log))} 2>&1 &\n"
         )
     body = f"""set -u
+echo "fathom: job $SLURM_JOB_ID started at $(date +%s.%N)"
 export PYTHONPATH={shlex.quote(str(settings.REPO_DIR))} OMP_NUM_THREADS=1 FATHOM_DATA_DIR={shlex.quote(str(settings.DATA_DIR))}
 # srun passes on this shell's environment (FATHOM_RDZV below included), not only --export's list.
 export SLURM_EXPORT_ENV=ALL
