@@ -7,6 +7,7 @@ while the first runs, and its page says why, in Slurm's words, as it changes.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from playwright.sync_api import Page, expect
 
 from runs.models import Run
 from tests.e2e.conftest import ConsoleWatch, log_in, off_loop, screenshot
+from tests.e2e.test_run_pages import fill_in
 from tests.platform.test_run_lifecycle import api, wait_until
 from tests.platform.test_slurm import DP2, job_field, squeue_ids
 from training.run_dir import CheckpointDir
@@ -70,4 +72,29 @@ def test_a_run_waiting_in_the_slurm_queue_shows_slurms_reason_and_both_jobs_stop
     assert off_loop(lambda: run.events.filter(kind="cancelled", source="node-0").exists())  # the agent's own outcome
     # The job ended by itself, with the agent's exit status for "cancelled", not by scancel.
     assert (job_field(slurm, first_job, "JobState"), job_field(slurm, first_job, "ExitCode")) == ("FAILED", "3:0")
+    console.assert_clean()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_launch_form_takes_a_runs_slurm_options_and_shows_a_bad_one_next_to_its_input(
+    slurm, alice, live_web, browser_page: Page, console: ConsoleWatch
+):
+    page = browser_page
+    console.allow_http_error("/api/runs/", 400)
+    log_in(page, live_web.url, "alice", "alice-password-1")
+    page.get_by_role("link", name="New run").first.click()
+    fill_in(page, "Name", "with options")
+    page.locator("summary", has_text="Slurm").click()
+    fill_in(page, "Partition", "debug")
+    fill_in(page, "Time limit", "an hour")
+    page.get_by_role("button", name="Launch run").click()
+    expect(page.locator('[data-error-for="slurm.time_limit"]')).to_contain_text("must be a Slurm time limit")
+    assert page.locator(".field-error:not([hidden])").count() == 1
+
+    fill_in(page, "Time limit", "1-12:00")
+    fill_in(page, "GPUs per node", "0")
+    page.get_by_role("button", name="Launch run").click()
+    page.wait_for_url(re.compile(r"/runs/\d+$"))
+    run = off_loop(lambda: Run.objects.get(name="with options"))
+    assert run.slurm == {"partition": "debug", "account": "", "qos": "", "time_limit": "1-12:00", "gpus_per_node": 0}
     console.assert_clean()
