@@ -1,4 +1,5 @@
-"""Fixtures every part's tests share: a real S3 server (moto's) on a loopback port."""
+"""Fixtures every part's tests share: a real S3 server (moto's) on a loopback port, and a real
+one-machine Slurm cluster."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from tools.s3_server import S3Server
+from tools.slurm_cluster import SlurmCluster
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +26,24 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     return s3_server
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """munge, slurmctld and one slurmd (installed with apt-get if missing), with their state in
+    a folder of the session; the Slurm daemons are stopped at the end."""
+    cluster = SlurmCluster(state=tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def slurm(slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
+    """The cluster, with runs going to it: FATHOM_EXECUTOR=slurm and SLURM_CONF for the
+    processes the test starts after this fixture (the web process, the Celery worker)."""
+    for name, value in slurm_cluster.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FATHOM_EXECUTOR", "slurm")
+    monkeypatch.setenv("FATHOM_SLURM_POLL_INTERVAL", "1")
+    return slurm_cluster

@@ -10,6 +10,8 @@
         logs/agent-node<K>.log          node K's agent
         logs/standby-node<K>.log        node K's warm standbys, until they become ranks
         logs/rendezvous-store.log       the rendezvous store of a multi-node run
+        logs/slurm-<job>.log            the batch script's output of Slurm job <job> (Slurm executor)
+        slurm-job.sh, slurm-agent.sh    the run's Slurm batch script and what its srun starts per node
         node<K>/                        node K's agent's own files (the folder may be shared by hosts)
             events.jsonl                rank 0's events, tailed by the agent's uplink
             spool.jsonl, acked          the uplink's spool and what the control plane acknowledged
@@ -229,6 +231,20 @@ class RunDir:
     @property
     def rendezvous_store_log(self) -> Path:
         return self.logs_dir / "rendezvous-store.log"
+
+    def slurm_log(self, job: str) -> Path:
+        """The output of the run's Slurm job `job` (sbatch's `%j` names every job's own)."""
+        return self.logs_dir / f"slurm-{job}.log"
+
+    @property
+    def slurm_job_script(self) -> Path:
+        """The batch script the control plane submits with sbatch (the Slurm executor)."""
+        return self.path / "slurm-job.sh"
+
+    @property
+    def slurm_agent_script(self) -> Path:
+        """What the job's srun runs on each node: that node's agent, under its lock."""
+        return self.path / "slurm-agent.sh"
 
     @property
     def standalone_log(self) -> Path:

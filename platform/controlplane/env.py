@@ -55,6 +55,17 @@ def env_float(name: str, default: float) -> float:
         raise ConfigurationError(f"{name} must be a number; got {raw!r}") from None
 
 
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of `choices` (compared lower-case, surrounding spaces ignored); unset or empty: `default`."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigurationError(f"{name} must be one of {list(choices)}; got {raw!r}")
+    return value
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None:

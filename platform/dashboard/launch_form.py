@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 
 from training.config import FaultKind, Precision, Recompute, Schedule
 
-InputKind = Literal["int", "float", "choice"]
+InputKind = Literal["int", "float", "choice", "text"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,3 +111,24 @@ GROUPS = [
         ],
     ),
 ]
+
+
+# Shown only where runs go to Slurm (FATHOM_EXECUTOR=slurm): the run's overrides of the
+# install's Slurm options; an empty input takes the install's default (FATHOM_SLURM_*).
+SLURM_GROUP = Group(
+    legend="Slurm",
+    collapsed=True,
+    hint="Runs here are Slurm jobs. Empty: the install's default. Time limit: minutes, HH:MM:SS or D-HH:MM.",
+    inputs=[
+        Input(path="slurm.partition", label="Partition", kind="text"),
+        Input(path="slurm.account", label="Account", kind="text"),
+        Input(path="slurm.qos", label="QoS", kind="text"),
+        Input(path="slurm.time_limit", label="Time limit", kind="text"),
+        Input(path="slurm.gpus_per_node", label="GPUs per node"),
+    ],
+)
+
+
+def groups_for(executor: str) -> list[Group]:
+    """The form's groups under the install's executor."""
+    return [*GROUPS, SLURM_GROUP] if executor == "slurm" else GROUPS

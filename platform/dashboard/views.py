@@ -16,7 +16,7 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 
 from controlplane.exceptions import InvalidInput
-from dashboard.launch_form import GROUPS
+from dashboard.launch_form import groups_for
 from deployments.models import Deployment
 from notifications.models import Webhook
 from runs import access, compare
@@ -59,7 +59,8 @@ def run_new_page(request: HttpRequest) -> HttpResponse:
     }
     # The planner's hardware, this machine's kind first: the layout check asks about one of them.
     devices = sorted(DEVICES, key=lambda name: name != "cpu")
-    return render(request, "dashboard/run_new.html", {"recipes": recipes, "groups": GROUPS, "devices": devices})
+    groups = groups_for(settings.EXECUTOR)
+    return render(request, "dashboard/run_new.html", {"recipes": recipes, "groups": groups, "devices": devices})
 
 
 @login_required

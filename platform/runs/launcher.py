@@ -110,7 +110,9 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def agent_arguments(run: Run, folder: Path, node: int, rdzv: str, token: str) -> list[str]:
+def agent_arguments(run: Run, folder: Path, node: int | str, rdzv: str, token: str) -> list[str]:
+    """A node agent's command line; `node` and `rdzv` may be shell words the agent's starter
+    expands (a Slurm job knows its node and its first node only once it runs)."""
     return [
         "--spec", str(RunDir(folder).spec_file),
         "--run-dir", str(folder),

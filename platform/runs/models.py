@@ -150,6 +150,11 @@ class Run(models.Model):
         Project, null=True, blank=True, on_delete=models.SET_NULL, related_name="runs",
         help_text="Shared with the project's members; empty: the owner's alone.",
     )  # fmt: skip
+    # Under the Slurm executor (runs/slurm.py): the options the run's job is submitted with
+    # (the install's defaults with the run's overrides, checked at submit), and the job that
+    # holds its current launch ("submitting" between the claim and sbatch's answer; empty before).
+    slurm = models.JSONField(default=dict, blank=True)
+    slurm_job_id = models.CharField(max_length=32, blank=True, db_index=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -108,6 +108,11 @@ class RunSerializer(ModelSerializer):
         help_text="One of your pretrained models (its id) the run starts from: its model, tokenizer and weights; "
         "empty: a model initialised from spec.train.seed.",
     )
+    slurm = serializers.DictField(
+        required=False,
+        help_text="Under the Slurm executor: overrides of the install's Slurm options (partition, account, qos, "
+        "time_limit, gpus_per_node); the run shows them resolved.",
+    )
     layout = serializers.CharField(source="layout_label", read_only=True)
     total_steps = serializers.IntegerField(read_only=True)
     tags = serializers.ListField(
@@ -126,11 +131,11 @@ class RunSerializer(ModelSerializer):
         fields = [
             "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "validation_dataset", "pretrained", "priority", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
-            "tags", "note", "project", "owner", "created_at", "started_at", "finished_at",
+            "tags", "note", "project", "owner", "created_at", "started_at", "finished_at", "slurm", "slurm_job_id",
         ]
         read_only_fields = [
             "status", "status_reason", "step", "last_loss", "tokens_per_s", "restarts", "last_seq",
-            "cancel_requested", "note", "created_at", "started_at", "finished_at",
+            "cancel_requested", "note", "created_at", "started_at", "finished_at", "slurm_job_id",
         ]
         extra_kwargs = {"name": {"required": False}}
 
@@ -151,6 +156,7 @@ class RunSerializer(ModelSerializer):
         attrs["run_spec"] = services.check_spec(
             attrs.get("spec", {}), attrs["recipe"], attrs.get("validation_dataset"), attrs.get("pretrained")
         )
+        attrs["slurm_options"] = services.check_slurm_options(attrs.pop("slurm", None))
         return attrs
 
     def create(self, validated: dict[str, Any]) -> Run:
@@ -166,6 +172,7 @@ class RunSerializer(ModelSerializer):
             pretrained=validated.get("pretrained"),
             recipe=validated["recipe"],
             project=validated.get("project"),
+            slurm_options=validated["slurm_options"],
         )
 
 

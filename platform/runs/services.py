@@ -33,8 +33,11 @@ from controlplane.queue import enqueue_on_commit
 from hosts import capacity
 from hosts.models import Host
 from notifications.services import RUN_EVENTS, notify_on_commit
-from runs import launcher
+from runs import executors, launcher, slurm
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run, RunEvent
+from runs.slurm_options import FIELDS as SLURM_FIELDS
+from runs.slurm_options import SlurmOptionError, SlurmOptions
+from runs.slurm_options import check as check_slurm_values
 from training import pretrained as pretrained_folders
 from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
@@ -200,6 +203,31 @@ def check_run_storage() -> None:
         check_storage(url)
     except StorageError as exc:
         raise InvalidInput("storage", f"{exc}; an administrator must fix FATHOM_STORAGE_URL or its credentials") from None
+
+
+def check_slurm_options(overrides: dict[str, Any] | None) -> SlurmOptions | None:
+    """The run's Slurm options (the install's defaults with its overrides), checked; None when
+    runs do not go to Slurm, where overrides are refused rather than ignored."""
+    if settings.EXECUTOR != "slurm":
+        if overrides:
+            raise InvalidInput(
+                "slurm", f"runs here start with the {settings.EXECUTOR} executor; Slurm options apply only under FATHOM_EXECUTOR=slurm"
+            )
+        return None
+    if overrides is not None and not isinstance(overrides, dict):
+        raise InvalidInput("slurm", f"must be an object with some of {', '.join(SLURM_FIELDS)}")
+    try:
+        options = check_slurm_values(overrides or {}, settings.SLURM_DEFAULTS)
+    except SlurmOptionError as exc:
+        raise InvalidInput(f"slurm.{exc.field}", exc.message) from None
+    if options.partition:
+        try:
+            known = slurm.partitions()
+        except slurm.SlurmError as exc:
+            raise InvalidInput("slurm", f"Slurm did not answer ({exc}); an administrator must look at the cluster") from None
+        if options.partition not in known:
+            raise InvalidInput("slurm.partition", f"must be one of the cluster's partitions: {', '.join(known)}; got {options.partition!r}")
+    return options
 
 
 # --- Datasets -------------------------------------------------------------------------------
@@ -415,6 +443,7 @@ def do_create_run(
     pretrained: PretrainedModel | None = None,
     recipe: str = "",
     project: Project | None = None,
+    slurm_options: SlurmOptions | None = None,
 ) -> Run:
     """Queues a run. The objects it names must be the owner's own: callers resolve ids among them.
 
@@ -428,7 +457,7 @@ def do_create_run(
         run = Run.objects.create(
             owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run,
             validation_dataset=validation_dataset, pretrained=pretrained, priority=priority, recipe=recipe,
-            project=project,
+            project=project, slurm=slurm_options.to_dict() if slurm_options is not None else {},
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         enqueue_on_commit("runs.tasks.launch_run", run.pk)
@@ -445,23 +474,26 @@ def do_cancel_run(run: Run) -> Run:
             status=Run.Status.CANCELLED, cancel_requested=True, finished_at=timezone.now()
         ):
             _record(run, "cancelled", {"status": Run.Status.CANCELLED, "reason": "cancelled before it started"})
+            transaction.on_commit(lambda: _signal_cancel(run.pk, started=False))
         else:
             Run.objects.filter(pk=run.pk).update(cancel_requested=True)
             _record(run, "cancel_requested", {})
-            transaction.on_commit(lambda: _signal_cancel(run.pk))
+            transaction.on_commit(lambda: _signal_cancel(run.pk, started=True))
     run.refresh_from_db()
     return run
 
 
-def _signal_cancel(run_id: int) -> None:
-    launcher.request_cancel(Run.objects.get(pk=run_id))
+def _signal_cancel(run_id: int, *, started: bool) -> None:
+    run = Run.objects.get(pk=run_id)
+    executors.for_run(run).cancel(run, started=started)
 
 
 def do_resume_run(run: Run) -> Run:
     """Queues a failed or cancelled run again; it continues from its latest checkpoint."""
     with transaction.atomic():
         claimed = Run.objects.filter(pk=run.pk, status__in=[Run.Status.FAILED, Run.Status.CANCELLED]).update(
-            status=Run.Status.QUEUED, resume=True, cancel_requested=False, status_reason="", finished_at=None
+            status=Run.Status.QUEUED, resume=True, cancel_requested=False, status_reason="", finished_at=None,
+            slurm_job_id="",  # a new launch, a new job (the old one's id stays in the run's events)
         )
         if not claimed:
             raise WrongState("status", f"only failed or cancelled runs can be resumed; this one is {run.status}")
@@ -613,6 +645,16 @@ def do_record_event(run: Run, kind: str, data: dict[str, Any]) -> RunEvent:
         return _record(run, kind, data)
 
 
+def do_note_waiting(run: Run, reason: str, **data: Any) -> bool:
+    """A queued run's reason for waiting (the executor's queue, say), recorded as a `waiting`
+    event when it changed; False when it had not, or the run left the queue."""
+    with transaction.atomic():
+        if not Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED).exclude(status_reason=reason).update(status_reason=reason):
+            return False
+        _record(run, "waiting", {"reason": reason, **data})
+    return True
+
+
 def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int:
     """Stores an agent's batch (duplicates ignored), applies it to the run, publishes after commit.
 
@@ -670,6 +712,8 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
                 changes["finished_at"] = now
             if status == Run.Status.RUNNING and row["started_at"] is None:
                 changes["started_at"] = now
+            if status == Run.Status.RUNNING:
+                changes["status_reason"] = ""  # a running run waits for nothing (a requeued job's reason goes)
         back_after = _note_report(source, row["node_reports"], row["silent_nodes"], changes)
         if changes:
             Run.objects.filter(pk=run.pk).update(**changes)

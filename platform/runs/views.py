@@ -4,6 +4,7 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view, inline_serializer
@@ -203,6 +204,8 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             "recipe": source.recipe or "tiny",
             "spec": services.deep_merge(spec, edits.get("spec") or {}),
         }
+        if source.slurm and settings.EXECUTOR == "slurm":
+            body["slurm"] = source.slurm  # its Slurm options, resolved: checked again against the cluster
         serializer = RunSerializer(data=body, context={"request": request})
         serializer.is_valid(raise_exception=True)
         run = serializer.save()

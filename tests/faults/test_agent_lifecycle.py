@@ -1,4 +1,5 @@
-"""The agent's own outcomes: cancelled by SIGTERM, failed after its restart budget, crash loops back off."""
+"""The agent's own outcomes: cancelled by SIGTERM (stopped, under a scheduler), failed after its restart budget,
+crash loops back off."""
 
 from __future__ import annotations
 
@@ -54,6 +55,23 @@ def test_a_cancel_file_in_the_run_folder_cancels_the_run(agents: Agents, tmp_pat
     RunDir(run.run_dir).cancel_marker.touch()
     assert run.wait(timeout=60) == ExitCode.CANCELLED, run.tail()
     assert run.events[-1]["kind"] == "cancelled"
+
+
+def test_under_a_scheduler_sigterm_stops_the_node_and_only_the_cancel_file_cancels(agents: Agents, tmp_path: Path) -> None:
+    # `--sigterm stop` (Slurm's agents): a requeue or preemption SIGTERMs the job, not the run.
+    stopped = agents.start(training_spec(steps=400, checkpoint_interval=4), tmp_path / "stopped", extra=("--sigterm", "stop"))
+    wait_for(lambda: bool(stopped.of_kind("checkpoint")), 120, "the first checkpoint")
+    stopped.process.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=60) == ExitCode.STOPPED, stopped.tail()
+    assert stopped.events[-1]["kind"] == "stopped"
+    assert stopped.events[-1]["data"]["step"] == RunDir(stopped.run_dir).latest_committed_step() >= 4
+
+    cancelled = agents.start(training_spec(steps=400), tmp_path / "cancelled", extra=("--sigterm", "stop"))
+    wait_for(lambda: bool(cancelled.of_kind("metrics")), 120, "the first step")
+    RunDir(cancelled.run_dir).cancel_marker.touch()
+    cancelled.process.send_signal(signal.SIGTERM)  # Fathom's scancel after the grace: still a cancel
+    assert cancelled.wait(timeout=60) == ExitCode.CANCELLED, cancelled.tail()
+    assert cancelled.events[-1]["kind"] == "cancelled"
 
 
 def test_a_rank_that_keeps_failing_fails_the_run_after_the_restart_budget(agents: Agents, tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
   allows going on), the ranks fit the spec's `layout.dp` to the new world size themselves
   (`RunSpec.resized`); the agent reads only the spec's `nodes` and its world size (`NodePlan`);
 * SIGTERM (or the run folder's cancel marker) cancels: ranks get SIGTERM, the newest committed
-  checkpoint stays.
+  checkpoint stays. Under a scheduler that ends jobs itself (`--sigterm stop`: Slurm's scancel,
+  requeue, preemption, time limit), only the marker cancels: SIGTERM without it stops the node
+  the same way but reports `stopped`, not `cancelled`, since the job may come back.
 
 The exit status says the outcome (`ExitCode`).
 """
@@ -81,6 +83,7 @@ class ExitCode(enum.IntEnum):
     FAILED = 1  # restarts exhausted, or the rendezvous could not be formed
     USAGE = 2  # bad arguments or an invalid spec
     CANCELLED = 3
+    STOPPED = 4  # SIGTERM under `--sigterm stop`: the scheduler ended the job, the run goes on
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -109,6 +112,9 @@ class AgentConfig:
     restart_backoff_max: float = 30.0
     stack_dump_grace: float = 0.5  # time a hung rank gets to print its stacks before SIGKILL
     cancel_grace: float = 30.0  # time ranks get to exit on SIGTERM when the run is cancelled
+    # SIGTERM without the cancel marker means the scheduler is ending this job (Slurm), not that
+    # the run is cancelled: report `stopped` so the control plane waits for the job to come back.
+    sigterm_stops: bool = False
     rdzv_join_timeout: float = 600.0  # a rendezvous that has not formed by then fails the run
     # Once `nodes.min` agents have joined, how long to wait for the rest before starting without
     # them; a late node then joins through a scale-up restart.
@@ -138,8 +144,16 @@ class CancelRequested(BaseException):
 @dataclass(kw_only=True, frozen=True)
 class Outcome:
     code: ExitCode
-    kind: str  # the final event: succeeded, failed, cancelled
+    kind: str  # the final event: succeeded, failed, cancelled, stopped
     data: dict[str, Any]
+
+
+def interrupted(config: AgentConfig, step: int | None) -> Outcome:
+    """The outcome of a CancelRequested (the cancel marker, or SIGTERM/SIGINT): `cancelled`,
+    unless the agent was told SIGTERM means its job is being ended and no cancel was asked for."""
+    if config.sigterm_stops and not config.folder.cancel_marker.exists():
+        return Outcome(code=ExitCode.STOPPED, kind="stopped", data={"step": step, "reason": "SIGTERM: the scheduler ended the job"})
+    return Outcome(code=ExitCode.CANCELLED, kind="cancelled", data={"step": step})
 
 
 class NodeAgent(SimpleElasticAgent):
@@ -262,9 +276,7 @@ class NodeAgent(SimpleElasticAgent):
         except CancelRequested:
             logger.info("cancel requested: stopping ranks (grace %.0f s)", self.config.cancel_grace)
             stop_ranks(self._ranks, sig=signal.SIGTERM, grace=self.config.cancel_grace)
-            outcome = Outcome(
-                code=ExitCode.CANCELLED, kind="cancelled", data={"step": self._latest_committed_step()}
-            )
+            outcome = interrupted(self.config, self._latest_committed_step())
         except RendezvousError as exc:
             cancelled = self.config.folder.cancel_marker.exists()
             outcome = Outcome(
@@ -485,6 +497,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-standby", action="store_true", help="start every rank cold (no warm standbys)")
     parser.add_argument("--rdzv-last-call", type=float, default=AgentConfig.rdzv_last_call_timeout)
     parser.add_argument("--rdzv-join-timeout", type=float, default=AgentConfig.rdzv_join_timeout)
+    parser.add_argument(
+        "--sigterm", choices=("cancel", "stop"), default="cancel",
+        help="stop: SIGTERM without the cancel marker ends this job, not the run (a scheduler such as Slurm sent it)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -516,6 +532,7 @@ def _build(args: argparse.Namespace, plan: NodePlan) -> tuple[AgentConfig, Repor
         warm_standby=not args.no_standby,
         rdzv_last_call_timeout=args.rdzv_last_call,
         rdzv_join_timeout=args.rdzv_join_timeout,
+        sigterm_stops=args.sigterm == "stop",
     )
     config.node_dir.path.mkdir(parents=True, exist_ok=True)
     reporter = Reporter(
@@ -598,9 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcome = agent.execute()
     except CancelRequested:  # arrived during the clean-up of another outcome
-        outcome = Outcome(
-            code=ExitCode.CANCELLED, kind="cancelled", data={"step": latest_committed_step(config.run_dir, plan.storage)}
-        )
+        outcome = interrupted(config, latest_committed_step(config.run_dir, plan.storage))
     # The ranks' in-memory snapshots on this host are of no use once its agent is gone.
     shutil.rmtree(config.folder.memory_snapshot_dir, ignore_errors=True)
     reporter.emit(outcome.kind, outcome.data)

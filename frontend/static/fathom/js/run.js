@@ -12,10 +12,11 @@ import { Timeline } from "./timeline.js";
 // How often the log tail is read while the run is active.
 const LOG_REFRESH_MS = 3000;
 const ACTIVE = new Set(["queued", "starting", "running", "restarting"]);
-// Events after which the run's row (reason, restarts, cancel flag) is read again. The status
+// Events after which the run's row (reason, restarts, cancel flag) is read again (`waiting`: the
+// reason a queued run waits, the scheduler's or Slurm's, changed). The status
 // itself comes from the control plane's `status` and `queued` events, which the run's row
 // agrees with once they are committed.
-const ROW_KINDS = new Set(["queued", "status", "restarting", "cancel_requested"]);
+const ROW_KINDS = new Set(["queued", "status", "restarting", "cancel_requested", "waiting"]);
 
 const run = pageData("run-data");
 const $ = (id) => document.getElementById(id);

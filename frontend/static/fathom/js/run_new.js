@@ -19,7 +19,8 @@ const fileStatus = document.getElementById("f-file-status");
 const summary = document.getElementById("form-errors");
 const planResult = document.getElementById("plan-result");
 const launchButton = document.getElementById("launch");
-const specInputs = [...form.querySelectorAll('[name^="spec."]')];
+// The spec's inputs, and the run's Slurm options where runs go to Slurm.
+const specInputs = [...form.querySelectorAll('[name^="spec."], [name^="slurm."]')];
 
 let uploadedFile = null; // the File object the dataset select currently holds an upload of
 // A clone's source spec: the form's inputs are merged over it, so what the form does not show
@@ -167,7 +168,7 @@ function readForm() {
     if (raw === "") continue;
     const kind = input.dataset.kind;
     // Numbers go as numbers, even malformed ones (2.5 for a degree): the API says what is wrong.
-    const value = kind === "choice" ? (/^-?\d+$/.test(raw) ? Number(raw) : raw) : Number(raw);
+    const value = kind === "text" ? raw : kind === "choice" ? (/^-?\d+$/.test(raw) ? Number(raw) : raw) : Number(raw);
     setPath(body, input.name, value);
   }
   return { body, errors };
@@ -327,7 +328,8 @@ async function prefillFrom(runId) {
   form.elements.namedItem("name").value = `${source.name} (clone)`;
   for (const input of specInputs) {
     if (fromPretrained && input.name.startsWith("spec.model.") && input.name !== "spec.model.seq_len") continue;
-    const value = input.name.split(".").slice(1).reduce((o, k) => o?.[k], source.spec);
+    const root = input.name.startsWith("slurm.") ? source.slurm : source.spec;
+    const value = input.name.split(".").slice(1).reduce((o, k) => o?.[k], root);
     if (value === undefined || value === null || typeof value === "object") continue;
     input.value = String(value);
   }

@@ -17,6 +17,7 @@ const IMPORTANCE = {
   restarting: "warn",
   cancel_requested: "warn",
   cancelled: "warn",
+  stopped: "warn",
   checkpoint: "info",
   exported: "info",
   checkpoint_pruned: "plain",
@@ -63,6 +64,8 @@ export function describe(e) {
       ];
     case "cancel_requested":
       return ["Cancel requested", ""];
+    case "stopped":
+      return ["Job stopped", `${e.reason ?? ""}${e.step != null ? `, last checkpoint step ${e.step}` : ""}`];
     case "cancelled":
       return ["Cancelled", e.reason ?? (e.step != null ? `last checkpoint step ${e.step}` : "")];
     case "succeeded":

@@ -1,0 +1,155 @@
+"""Runs launched as Slurm jobs (FATHOM_EXECUTOR=slurm) on a real one-machine Slurm cluster.
+
+Real processes throughout: munge, slurmctld and slurmd (tools/slurm_cluster.py), the web
+process, a Celery worker with beat (its watch_slurm_jobs reads squeue), and the node agents
+that the job's srun starts. A run waiting in Slurm's queue and cancels: tests/e2e/test_slurm_pages.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+
+import pytest
+from rest_framework.authtoken.models import Token
+
+from runs.models import Run
+from runs.tasks import watch_slurm_jobs
+from tests.platform.test_run_lifecycle import STORY, api, follow, wait_until
+from training.config import RECIPES
+
+pytestmark = pytest.mark.slow
+
+DP2 = {"layout": {"dp": 2}, "train": {"steps": 6, "checkpoint_interval": 3, "global_batch": 4}}
+
+
+def squeue_ids(cluster) -> set[str]:
+    """The jobs Slurm still has pending or running (squeue's default states)."""
+    out = subprocess.run(
+        ["squeue", "--noheader", "--format=%i"], capture_output=True, text=True, check=True,
+        env=dict(os.environ, **cluster.env()),
+    )  # fmt: skip
+    return set(out.stdout.split())
+
+
+def job_field(cluster, job_id: str, field: str) -> str:
+    out = subprocess.run(
+        ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True, env=dict(os.environ, **cluster.env())
+    ).stdout
+    return re.search(rf"\b{field}=(\S*)", out).group(1)
+
+
+@pytest.mark.django_db
+def test_it_rejects_a_partition_the_cluster_does_not_have(slurm, alice_api, settings):
+    settings.EXECUTOR = "slurm"
+    response = alice_api.post("/api/runs/", {"name": "r", "slurm": {"partition": "gpu"}}, format="json")
+    assert response.status_code == 400
+    assert response.json()["slurm"]["partition"] == ["must be one of the cluster's partitions: debug; got 'gpu'"]
+
+
+def active_run(owner, job_id: str) -> Run:
+    return Run.objects.create(
+        owner=owner, name="r", spec=RECIPES["tiny"]().to_dict(), status=Run.Status.RUNNING, slurm_job_id=job_id
+    )
+
+
+@pytest.mark.django_db
+def test_a_run_whose_job_slurm_no_longer_knows_is_marked_lost(slurm, alice):
+    run = active_run(alice, "987654")  # an id this cluster never gave
+    assert watch_slurm_jobs() == 1
+    run.refresh_from_db()
+    assert (run.status, run.status_reason) == ("failed", "lost: Slurm job 987654 is gone (neither squeue nor sacct knows it)")
+
+
+@pytest.mark.django_db
+def test_a_run_whose_job_ended_before_its_agents_reported_fails_saying_how(slurm, alice, tmp_path):
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=/dev/null", "--wrap=exit 7"],
+        capture_output=True, text=True, check=True, env=dict(os.environ, **slurm.env()),
+    ).stdout.strip()  # fmt: skip
+    run = active_run(alice, job_id)
+    wait_until(lambda: job_field(slurm, job_id, "JobState") == "FAILED", 60, "the job to end")
+    assert watch_slurm_jobs() == 1
+    run.refresh_from_db()
+    assert (run.status, run.status_reason) == (
+        "failed", f"Slurm job {job_id} ended FAILED (NonZeroExitCode) before the run finished"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_dp2_run_submitted_through_the_api_trains_as_a_slurm_job(slurm, alice, live_web, celery_worker_with_beat):
+    client = api(live_web, alice)
+    dataset = client.post("/api/datasets/", files={"file": ("stories.txt", STORY.encode())}).json()
+    options = {"partition": "debug", "account": "lab", "time_limit": "15"}
+    created = client.post("/api/runs/", json={"name": "on slurm", "dataset": dataset["id"], "spec": DP2, "slurm": options})
+    assert created.status_code == 201, created.text
+    run_id = created.json()["id"]
+
+    events = asyncio.run(follow(live_web, Token.objects.get(user=alice).key, run_id))
+
+    run = Run.objects.get(pk=run_id)
+    job_id = run.slurm_job_id
+    assert job_id.isdigit()
+    assert [e["step"] for e in events if e["kind"] == "metrics"] == [1, 2, 3, 4, 5, 6]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3, 6]
+    assert any(e["kind"] == "waiting" and e["reason"] == f"waiting: submitted to Slurm as job {job_id}" for e in events)
+    assert (run.status, run.step) == ("succeeded", 6)
+    # The agent was started by the job: it met at the rendezvous the batch script chose on the
+    # job's first node, and the job's own log says which.
+    job_log = run.run_dir.slurm_log(job_id).read_text()
+    endpoint = re.search(r"rendezvous at (\S+)", job_log).group(1)
+    assert [e["rdzv_endpoint"] for e in events if e["kind"] == "agent_started"] == [endpoint]
+    assert job_field(slurm, job_id, "JobName") == f"fathom-{run.folder.name}-L1"
+    assert job_field(slurm, job_id, "NumCPUs") == "2"
+    assert [job_field(slurm, job_id, f) for f in ("Partition", "Account", "TimeLimit")] == ["debug", "lab", "00:15:00"]
+    wait_until(lambda: job_field(slurm, job_id, "JobState") == "COMPLETED", 60, "the job to complete")
+    assert client.get(f"/api/runs/{run_id}/").json()["slurm_job_id"] == job_id
+
+
+def scontrol(cluster, *args: str) -> None:
+    subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True, env=dict(os.environ, **cluster.env()))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_warned_of_its_time_limit_requeues_itself_and_the_run_resumes_on_the_same_loss_curve(
+    slurm, alice, live_web, celery_worker_with_beat
+):
+    client = api(live_web, alice)
+    # Rank 1 freezes at step 18 (once, and no hang timeout within the test), so the job is
+    # stopped after the checkpoint of step 12 and before any other, whatever the machine's speed.
+    spec = {
+        "layout": {"dp": 2}, "train": {"steps": 24, "checkpoint_interval": 12, "global_batch": 4},
+        "nodes": {"heartbeat_timeout": 600}, "faults": [{"kind": "hang_rank", "rank": 1, "step": 18}],
+    }  # fmt: skip
+    run_id = client.post("/api/runs/", json={"name": "requeued", "spec": spec}).json()["id"]
+    wait_until(
+        lambda: client.get(f"/api/runs/{run_id}/checkpoints/").json() and client.get(f"/api/runs/{run_id}/").json()["step"] >= 15,
+        300, "the checkpoint of step 12 and step 15",
+    )  # fmt: skip
+    job_id = client.get(f"/api/runs/{run_id}/").json()["slurm_job_id"]
+
+    # What Slurm sends the batch shell before the time limit (--signal=B:USR1@60): the job has a
+    # newer checkpoint than it started from, so it requeues itself (scontrol requeue: SIGTERM to
+    # the agents, which stop, and back to the queue, as after a preemption).
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, env=dict(os.environ, **slurm.env()))
+    requeued = f"requeued by Slurm: Slurm job {job_id} pending"
+    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status_reason"].startswith(requeued), 60, "the requeue")
+    assert client.get(f"/api/runs/{run_id}/").json()["status"] == "restarting"
+    scontrol(slurm, "update", f"JobId={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 minutes
+    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status"] == "succeeded", 300, "the run to succeed")
+
+    run = Run.objects.get(pk=run_id)
+    assert run.slurm_job_id == job_id and run.status_reason == ""
+    assert "; requeueing (checkpoint step 12, started from 0)" in run.run_dir.slurm_log(job_id).read_text()
+    kinds = list(run.events.values_list("kind", flat=True))
+    assert kinds.count("agent_started") == 2 and "stopped" in kinds and "cancelled" not in kinds
+    resumed = run.events.filter(kind="resumed").values_list("data__step", flat=True).get()
+    losses: dict[int, list[float]] = {}
+    for step, loss in run.events.filter(kind="metrics").order_by("seq").values_list("data__step", "data__loss"):
+        losses.setdefault(step, []).append(loss)
+    assert sorted(losses) == list(range(1, 25))
+    repeated = {step: seen for step, seen in losses.items() if len(seen) > 1}
+    assert resumed == 12 and {13, 14, 15} <= set(repeated) and min(repeated) == 13
+    assert all(seen[0] == seen[1] for seen in repeated.values()), repeated  # bitwise: the same curve
