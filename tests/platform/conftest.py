@@ -115,15 +115,27 @@ class WebServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                web_command(self.port),
-                cwd=REPO / "platform",
-                env=process_env(FATHOM_PUBLIC_URL=self.url),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        wait_for_http(f"{self.url}/login/", process=self.process)
+        # free_port() only finds a port free for a moment: another process may bind it before
+        # uvicorn does, which then exits with 3 ("address already in use"). Take another port.
+        for attempt in range(3):
+            logged = self.log.stat().st_size if self.log.exists() else 0
+            with self.log.open("ab") as out:
+                self.process = subprocess.Popen(
+                    web_command(self.port),
+                    cwd=REPO / "platform",
+                    env=process_env(FATHOM_PUBLIC_URL=self.url),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            try:
+                wait_for_http(f"{self.url}/login/", process=self.process)
+                return
+            except RuntimeError:
+                said = self.log.read_bytes()[logged:].decode(errors="replace")
+                if "address already in use" not in said or attempt == 2:
+                    raise RuntimeError(f"the web process exited with {self.process.returncode}:\n{said[-3000:]}") from None
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         if self.process is not None:
