@@ -53,11 +53,13 @@ types: venv
 test-embedded: venv
 	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q
 
-# The control-plane tests again on PostgreSQL + Redis (the vLLM end-to-end test needs no second run:
-# serving does not touch the database).
+# The control-plane tests again on PostgreSQL + Redis: every API, database and channel-layer test,
+# and the run lifecycle end to end (marked `services`). The other slow ones (namespace hosts, Slurm,
+# object storage, the schema fuzz, vLLM) ran above on SQLite; what they ask of the database
+# (placement's locked transactions, host and job rows) is tested here by the fast tests of it.
 test-services: venv services
 	d=$$(mktemp -d /tmp/fathom-test-pg-XXXX) && FATHOM_DATA_DIR=$$d DATABASE_URL=$(POSTGRES_URL) REDIS_URL=$(REDIS_TEST_URL) \
-		$(BIN)/python -m pytest tests/platform -q -m "not vllm"
+		$(BIN)/python -m pytest tests/platform -q -m "not vllm and (not slow or services)"
 
 test: venv vllm-env system-packages services
 	$(MAKE) --no-print-directory lint types test-embedded test-services

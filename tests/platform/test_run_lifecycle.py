@@ -23,7 +23,8 @@ from runs.models import Run
 from runs.tasks import LAUNCH_GRACE, reconcile_runs
 from tests.platform.conftest import REPO, process_env
 
-pytestmark = pytest.mark.slow
+# The whole control plane's path, again on PostgreSQL + Redis in make test-services.
+pytestmark = [pytest.mark.slow, pytest.mark.services]
 
 STORY = "\n".join(
     f"{name} walked to the {place} and counted {n} {thing} before the rain."
