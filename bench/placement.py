@@ -30,7 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+
+from bench.waiting import answers, wait
 
 REPO = Path(__file__).resolve().parents[1]
 DATABASE = "fathom_bench_placement"
@@ -48,25 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"no {what} within {timeout} s")
-
-
-def _answers(url: str) -> bool:
-    import httpx
-
-    try:
-        httpx.get(url, timeout=1)
-        return True
-    except httpx.HTTPError:
-        return False
 
 
 def submit_to_first_step(database_url: str, data_dir: Path) -> dict[str, float]:
@@ -105,7 +87,7 @@ def submit_to_first_step(database_url: str, data_dir: Path) -> dict[str, float]:
 
         try:
             start("web", web_command(int(url.rsplit(":", 1)[1]), bridge), REPO / "platform")
-            wait(lambda: _answers(f"{url}/login/"), 60, "the web process")
+            wait(lambda: answers(f"{url}/login/"), 60, "the web process")
             start("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-B", "--pool=threads",
                              "--concurrency=4", "--schedule", str(logs / "beat-schedule"), "--without-gossip",
                              "--without-mingle", "--without-heartbeat"], REPO / "platform")  # fmt: skip

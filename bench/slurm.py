@@ -23,31 +23,13 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+
+from bench.waiting import answers, wait
 
 REPO = Path(__file__).resolve().parents[1]
 REPEATS = 3
 JOIN_TOKEN = "bench-join-token"
 SPEC = {"layout": {"dp": 2}, "train": {"steps": 3, "warmup_steps": 1, "checkpoint_interval": 3}}
-
-
-def wait(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"no {what} within {timeout} s")
-
-
-def _answers(url: str) -> bool:
-    import httpx
-
-    try:
-        httpx.get(url, timeout=1)
-        return True
-    except httpx.HTTPError:
-        return False
 
 
 def measure(executor: str, env: dict[str, str], logs: Path, token: str) -> list[tuple[float, float | None]]:
@@ -68,7 +50,7 @@ def measure(executor: str, env: dict[str, str], logs: Path, token: str) -> list[
     results: list[tuple[float, float | None]] = []
     try:
         start("web", web_command(port), REPO / "platform")
-        wait(lambda: _answers(f"{env['FATHOM_PUBLIC_URL']}/login/"), 60, "the web process")
+        wait(lambda: answers(f"{env['FATHOM_PUBLIC_URL']}/login/"), 60, "the web process")
         start("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-B", "--pool=threads",
                          "--concurrency=4", "--schedule", str(logs / f"{executor}-beat"), "--without-gossip",
                          "--without-mingle", "--without-heartbeat"], REPO / "platform")  # fmt: skip
