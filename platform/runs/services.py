@@ -38,9 +38,9 @@ from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run, RunE
 from runs.slurm_options import FIELDS as SLURM_FIELDS
 from runs.slurm_options import SlurmOptionError, SlurmOptions
 from runs.slurm_options import check as check_slurm_values
-from training import pretrained as pretrained_folders
 from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
+from training.pretrained import check_folder, resolved_dict
 from training.storage import Storage, StorageError, check_storage, dataset_url, failure_reason, local_root
 
 CONTROL_SOURCE = "control"
@@ -89,7 +89,7 @@ def check_spec(
             )
         merged["data"]["pretrained"] = pretrained.path
         try:
-            merged = pretrained_folders.resolved_dict(merged)
+            merged = resolved_dict(merged)
         except SpecError as exc:
             raise InvalidInput("pretrained", f"pretrained model {pretrained.pk} ({pretrained.name}): {exc.message}") from None
     try:
@@ -164,7 +164,7 @@ def check_run_data(
         )
     if pretrained is not None:
         try:
-            pretrained_folders.check_folder(Path(pretrained.path))
+            check_folder(Path(pretrained.path))
         except SpecError as exc:
             raise InvalidInput("pretrained", f"pretrained model {pretrained.pk} ({pretrained.name}): {exc.message}") from None
     if tokenizer_run is not None:
@@ -384,7 +384,7 @@ def do_register_pretrained(
         if not folder.is_dir():
             raise InvalidInput("path", f"no folder at {folder}")
     try:
-        model = pretrained_folders.check_folder(folder)
+        model = check_folder(folder)
     except SpecError as exc:
         if uploads:
             shutil.rmtree(folder, ignore_errors=True)

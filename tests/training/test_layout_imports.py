@@ -65,6 +65,8 @@ def test_the_control_plane_takes_from_training_only_the_config_the_planner_the_r
     allowed = (
         "training.config", "training.planner", "training.run_dir", "training.hf_format",
         "training.storage", "training.checkpoint_storage",
+        # Torch-free: a pretrained folder's model, checked at registration and resolved at submit.
+        "training.pretrained",
     )  # fmt: skip
     assert offending("platform", allowed, ("training",)) == {}
 
