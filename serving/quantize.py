@@ -65,16 +65,22 @@ class QuantizeError(ValueError):
     """The export or the calibration data cannot be quantized; the message says why."""
 
 
-def calibration_documents(path: Path, samples: int, seed: int, chat: Any = None) -> list[str]:
+def calibration_documents(
+    path: Path, samples: int, seed: int, chat: Any = None, piece_chars: int | None = None
+) -> list[str]:
     """`samples` documents of a dataset file drawn uniformly without replacement (reservoir
     sampling with `seed`: one pass, memory for the sample only), in file order. `chat` renders a
-    `messages` row to text; without it a chat row is its contents joined by newlines."""
+    `messages` row to text; without it a chat row is its contents joined by newlines. With
+    `piece_chars`, a longer document is first cut at line ends into pieces of at most that many
+    characters, each drawn on its own: a dataset that is one long text (a .txt without blank
+    lines is one document to training too) still gives `samples` different windows."""
     if samples < 1:
         raise QuantizeError(f"--samples must be at least 1; got {samples}")
     rng = random.Random(seed)
     kept: list[tuple[int, str]] = []
     count = 0
-    for index, text in enumerate(_documents(path, chat)):
+    pieces = (piece for doc in _documents(path, chat) for piece in _pieces(doc, piece_chars))
+    for index, text in enumerate(pieces):
         count += 1
         if len(kept) < samples:
             kept.append((index, text))
@@ -85,6 +91,28 @@ def calibration_documents(path: Path, samples: int, seed: int, chat: Any = None)
     if not kept:
         raise QuantizeError(f"{path} holds no documents to calibrate on")
     return [text for _, text in sorted(kept)]
+
+
+def _pieces(text: str, limit: int | None) -> Iterator[str]:
+    """`text` in pieces of at most `limit` characters, cut after a newline where a line allows."""
+    if limit is None or len(text) <= limit:
+        yield text
+        return
+    piece = ""
+    for line in text.splitlines(keepends=True):
+        while len(line) > limit:  # a line longer than a piece is cut where it must be
+            if piece.strip():
+                yield piece
+            piece = ""
+            if line[:limit].strip():
+                yield line[:limit]
+            line = line[limit:]
+        if len(piece) + len(line) > limit and piece.strip():
+            yield piece
+            piece = ""
+        piece += line
+    if piece.strip():
+        yield piece
 
 
 def _documents(path: Path, chat: Any) -> Iterator[str]:
@@ -189,8 +217,12 @@ def quantize(
     def chat(messages: list[dict[str, str]]) -> str:
         return str(tokenizer.apply_chat_template(messages, tokenize=False))
 
-    documents = calibration_documents(calibration, samples, seed, chat if tokenizer.chat_template else None)
     max_len = min(max_seq_len, int(getattr(model.config, "max_position_embeddings", max_seq_len)))
+    # Byte-level BPE on English averages about 4 characters a token: a piece of 4 * max_len
+    # characters fills about one window, and the tokenizer's truncation cuts what is over.
+    documents = calibration_documents(
+        calibration, samples, seed, chat if tokenizer.chat_template else None, piece_chars=4 * max_len
+    )
     rows = [tokenizer(text, truncation=True, max_length=max_len, add_special_tokens=False) for text in documents]
     rows = [r for r in rows if len(r["input_ids"]) >= 2]
     if not rows:

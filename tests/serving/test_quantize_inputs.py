@@ -70,3 +70,13 @@ def test_the_command_fails_with_a_stage_line_naming_what_is_wrong(
         last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert code == 2 and last["stage"] == "failed" and reason in last["error"], last
     assert not (tmp_path / "out").exists()
+
+
+def test_a_long_document_is_drawn_from_as_pieces_cut_at_line_ends(tmp_path: Path) -> None:
+    data = tmp_path / "story.txt"  # one document to training: no blank line
+    data.write_text("".join(f"line {i:03d} of the story\n" for i in range(200)) + "x" * 250 + "\n")
+    pieces = calibration_documents(data, 1000, seed=0, piece_chars=100)
+    assert all(0 < len(p) <= 100 for p in pieces) and "".join(pieces) == data.read_text()
+    assert pieces[0] == "".join(f"line {i:03d} of the story\n" for i in range(4))  # 4 lines of 23 characters
+    assert len(calibration_documents(data, 8, seed=0, piece_chars=100)) == 8
+    assert calibration_documents(data, 8, seed=0) == [data.read_text()]
