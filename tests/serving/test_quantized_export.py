@@ -85,7 +85,7 @@ async def test_int8_and_int4_exports_made_by_llmcompressor_serve_on_cpu_close_to
     reference = await _served_choices(tmp_path, tiny_checkpoint, vllm_python, "tiny", "none")
     assert len(reference) >= 200
     for scheme, served_as in (("int8", "int8_w8a8"), ("int4", "int4")):
-        out = tmp_path / f"tiny-{scheme}"
+        out = tmp_path / "exports" / f"tiny-{scheme}"  # apart from the deployments' state folders
         summary = _quantize(quantize_python, tiny_checkpoint, out, scheme, calibration)
         assert json.loads((out / SUMMARY_FILE).read_text()) == {k: v for k, v in summary.items() if k != "stage"}
         assert summary["served_as"] == served_as and summary["samples"] == 64
