@@ -30,7 +30,8 @@ PROMPTS = generated_text(32, seed=1234)
 # log-probabilities of its choice and of the quantized model's within TIE_NATS: the runner-up had
 # at least e⁻¹ ≈ 37% of the winner's probability). Measured here (llmcompressor 0.14, vLLM 0.32 on
 # CPU, 64 calibration documents): int8 253/253; int4 247/253, every parting a near-tie of under
-# 0.05 nats. int8 (SmoothQuant, then per-channel int8 weights, per-token int8 activations) rounds
+# 0.05 nats, and the same 6 where the float model itself is served in bfloat16 (247/253 against
+# float32; int4 against bfloat16 float: 251/253): at this size bfloat16, not 4-bit weights, costs most. int8 (SmoothQuant, then per-channel int8 weights, per-token int8 activations) rounds
 # each value to within half of 1/127 of its row's range; int4 (16 levels per group of 128 inputs,
 # computed in bfloat16, which its CPU kernel requires) moves the logits several times more, so its
 # bar sits lower. Both bars leave room for another kernel or thread count to break a near-tie the
