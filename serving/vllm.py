@@ -11,11 +11,15 @@ What vLLM 0.32 supports, read from its source (`vllm/platforms/cpu.py`,
 - CPU attention takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and KV blocks
   that are multiples of 32 (default 128). The KV cache size is `VLLM_CPU_KVCACHE_SPACE`, whole GiB.
 - CPU int8 is W8A8 only (oneDNN `int8_scaled_mm`): a compressed-tensors checkpoint with int8
-  weights and int8 activations (served here: tests/serving/test_quantized_replica.py). There is
+  weights and int8 activations (served here: tests/serving/test_quantized_export.py). There is
   no int8 weight-only (W8A16) CPU kernel (a W8A16 checkpoint fails vLLM's config validation);
   the `int8_per_channel_weight_only` online method quantizes MoE experts only.
 - CPU int4 is weight-only W4A16 (`CPUWNA16`): GPTQ / AWQ / compressed-tensors 4-bit checkpoints
   whose linear input and output sizes are multiples of 32. vLLM does not quantize to int4 online.
+  The kernel has no float32 path: with `--dtype float32` the replica starts, then its engine dies
+  on the first request (`"cpu_gemm_wna16" not implemented for 'Float'`, seen here); it runs in
+  bfloat16 (`dtype` auto or bfloat16). Both CPU widths are served here from llmcompressor's
+  exports (`serving.quantize`, tests/serving/test_quantized_export.py).
 - CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer).
 - On CUDA, fp8 is online (`--quantization fp8`) from a 16/32-bit checkpoint or read from an fp8
   checkpoint (compute capability >= 8.9 for W8A8, >= 7.5 as weight-only Marlin); int8
@@ -356,6 +360,12 @@ def _check_quantization(options: ReplicaOptions, ckpt: CheckpointInfo, device: D
             "'fp8' on cpu needs AMX tiles (Intel Sapphire Rapids or newer); this CPU has none",
         )
         if wanted == "int4":
+            _require(
+                options.dtype != "float32",
+                "dtype",
+                "'int4' on cpu runs in bfloat16: vLLM's CPUWNA16 kernel has no float32 path (the "
+                "replica's engine fails on its first request); set dtype to 'auto' or 'bfloat16'",
+            )
             for name, size in (("hidden_size", ckpt.hidden_size), ("intermediate_size", ckpt.intermediate_size)):
                 _require(
                     size % 32 == 0,

@@ -63,6 +63,19 @@ def vllm_python() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.fixture(scope="session")
+def quantize_python() -> str:
+    """The quantizer environment's interpreter (llmcompressor): $FATHOM_QUANTIZE_PYTHON, else
+    what tools/quantize_env.sh builds (or finds already built)."""
+    given = os.environ.get("FATHOM_QUANTIZE_PYTHON")
+    if given and Path(given).exists() and (Path(given).parent.parent / ".fathom-ready").exists():
+        return given
+    out = subprocess.run(
+        ["bash", str(REPO / "tools" / "quantize_env.sh")], check=True, capture_output=True, text=True, timeout=1200
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
 @dataclass
 class RunningDeployment:
     config: DeploymentConfig

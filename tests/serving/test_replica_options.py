@@ -178,6 +178,14 @@ def test_int4_on_cpu_needs_linear_sizes_in_multiples_of_32(tmp_path: Path) -> No
     assert "intermediate_size is 700" in error.message
 
 
+def test_int4_on_cpu_is_refused_in_float32_which_its_kernel_lacks(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path, quant=GPTQ4)
+    error = error_of(check_compatible, ReplicaOptions(quantization="int4", dtype="float32"), ckpt, CPU)
+    assert error.field == "dtype" and "'auto' or 'bfloat16'" in error.message
+    check_compatible(ReplicaOptions(quantization="int4", dtype="bfloat16"), ckpt, CPU)
+    check_compatible(ReplicaOptions(device="cuda", quantization="int4", dtype="float32"), ckpt, AMPERE)
+
+
 def test_a_quantized_checkpoint_must_be_declared(tmp_path: Path) -> None:
     error = error_of(check_compatible, ReplicaOptions(), write_checkpoint(tmp_path, quant=GPTQ4), CPU)
     assert error.field == "quantization"

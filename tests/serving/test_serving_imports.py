@@ -18,6 +18,8 @@ MODULES = [
     "serving.app",
     "serving.tiny_checkpoint",
     "serving.export_store",
+    "serving.quantize",
+    "serving.quality",
 ]
 
 

@@ -1,0 +1,104 @@
+"""Exports quantized by llmcompressor (`python -m serving.quantize`, its own env) to int8 (W8A8)
+and int4 (W4A16), calibrated on the model's own training text, served on real vLLM CPU replicas
+through Fathom's options, checks, supervisor and router, and compared with the float export by
+next-token agreement from the replicas' `prompt_logprobs`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from serving.quality import Choices, next_token_choices, top1_agreement
+from serving.quantize import SUMMARY_FILE, folder_size
+from serving.tiny_checkpoint import TinyLlamaSpec, generated_text
+from serving.vllm import CheckpointInfo, DeviceInfo, ReplicaOptions, check_compatible
+from tests.serving.conftest import REPO, start_deployment
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# Sentences of the kind the tiny model was trained on (another seed than its training text), so
+# that its next-token choices are mostly confident, as a deployed model's are on its own domain.
+PROMPTS = generated_text(32, seed=1234)
+# The least share of these 253 positions where each quantized model must put the float32 model's
+# token first; where they part, the float model itself must have nearly tied (its own
+# log-probabilities of its choice and of the quantized model's within TIE_NATS: the runner-up had
+# at least e⁻¹ ≈ 37% of the winner's probability). Measured here (llmcompressor 0.14, vLLM 0.32 on
+# CPU, 64 calibration documents): int8 253/253; int4 247/253, every parting a near-tie of under
+# 0.05 nats, and the same 6 where the float model itself is served in bfloat16 (247/253 against
+# float32; int4 against bfloat16 float: 251/253): at this size bfloat16, not 4-bit weights, costs most. int8 (SmoothQuant, then per-channel int8 weights, per-token int8 activations) rounds
+# each value to within half of 1/127 of its row's range; int4 (16 levels per group of 128 inputs,
+# computed in bfloat16, which its CPU kernel requires) moves the logits several times more, so its
+# bar sits lower. Both bars leave room for another kernel or thread count to break a near-tie the
+# other way, while a broken quantization (a wrong scale layout, a layer left out, a lost group
+# order) parts from the float model far more often and at confident positions.
+MIN_TOP1 = {"int8": 0.97, "int4": 0.93}
+TIE_NATS = 1.0
+OPTIONS = ReplicaOptions(max_model_len=256, max_num_seqs=4, enforce_eager=True, dtype="float32")
+
+
+def _quantize(python: str, export: Path, out: Path, scheme: str, calibration: Path) -> dict:  # type: ignore[type-arg]
+    """Run the real command line and return its last line (the summary)."""
+    done = subprocess.run(
+        [python, "-m", "serving.quantize", str(export), str(out), "--scheme", scheme,
+         "--calibration", str(calibration), "--samples", "64"],
+        cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    stages = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [s["stage"] for s in stages] == ["loading", "calibrating", "saving", "done"]
+    return stages[-1]
+
+
+async def _served_choices(tmp: Path, checkpoint: Path, vllm_python: str, name: str, quantization: str) -> list[Choices]:
+    """Serve `checkpoint` on one replica behind the router and read its choices over PROMPTS."""
+    # int4's CPU kernel computes in bfloat16 only (serving.vllm refuses float32 for it), so its
+    # figure is what an int4 deployment gives: 4-bit weights and bfloat16 arithmetic.
+    dtype = "bfloat16" if quantization == "int4" else OPTIONS.dtype
+    options = ReplicaOptions(**{**OPTIONS.to_dict(), "quantization": quantization, "dtype": dtype})
+    check_compatible(options, CheckpointInfo.read(checkpoint), DeviceInfo.local_cpu())
+    with contextlib.contextmanager(start_deployment)(
+        tmp, checkpoint, vllm_python, name=name, replicas=1, options=options
+    ) as deployment:
+        if quantization != "none":  # it answers the official client like any deployment
+            client = openai.AsyncOpenAI(base_url=f"{deployment.router_url}/v1", api_key="unused", max_retries=0)
+            answer = await client.completions.create(model=name, prompt="the cat sees", max_tokens=8, temperature=0)
+            await client.close()
+            assert answer.choices[0].text.strip(), answer
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await next_token_choices(http, deployment.router_url, name, PROMPTS)
+
+
+async def test_int8_and_int4_exports_made_by_llmcompressor_serve_on_cpu_close_to_the_float_model(
+    tmp_path: Path, tiny_checkpoint: Path, vllm_python: str, quantize_python: str
+) -> None:
+    # The model's own data: the text it was trained on, as a dataset file, 8 sentences a document.
+    lines = generated_text(4000, TinyLlamaSpec().seed)
+    calibration = tmp_path / "train.txt"
+    calibration.write_text("\n\n".join(" ".join(lines[i : i + 8]) for i in range(0, len(lines), 8)))
+
+    reference = await _served_choices(tmp_path, tiny_checkpoint, vllm_python, "tiny", "none")
+    assert len(reference) >= 200
+    for scheme, served_as in (("int8", "int8_w8a8"), ("int4", "int4")):
+        out = tmp_path / "exports" / f"tiny-{scheme}"  # apart from the deployments' state folders
+        summary = _quantize(quantize_python, tiny_checkpoint, out, scheme, calibration)
+        assert json.loads((out / SUMMARY_FILE).read_text()) == {k: v for k, v in summary.items() if k != "stage"}
+        assert summary["served_as"] == served_as and summary["samples"] == 64
+        assert summary["bytes"] == folder_size(out) < folder_size(tiny_checkpoint)
+        assert CheckpointInfo.read(out).quant == served_as
+
+        choices = await _served_choices(tmp_path, out, vllm_python, f"tiny-{scheme}", served_as)
+        agreement = top1_agreement(reference, choices)
+        print(
+            f"{scheme}: size {summary['bytes']} / {summary['source_bytes']} bytes = {summary['size_ratio']}; "
+            f"top-1 agreement {agreement.agree}/{agreement.positions} = {agreement.top1:.3f}; parted at {agreement.parted}"
+        )
+        assert agreement.top1 >= MIN_TOP1[scheme], agreement.parted
+        for ref, chosen in agreement.parted:
+            assert len(ref) == 2 and ref[1][0] == chosen and ref[0][1] - ref[1][1] < TIE_NATS, (ref, chosen)
