@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.waiting import answers, wait
+from bench.waiting import answers, stop_all, wait
 
 REPO = Path(__file__).resolve().parents[1]
 DATABASE = "fathom_bench_placement"
@@ -111,13 +111,7 @@ def submit_to_first_step(database_url: str, data_dir: Path) -> dict[str, float]:
                     print(f"{shape} attempt {attempt}: first step {seconds[shape][-1]:.2f} s after submit")
             return {shape: statistics.median(values) for shape, values in seconds.items()}
         finally:
-            for process in reversed(processes):
-                process.terminate()
-            for process in processes:
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            stop_all(processes)
             broker.stop()
 
 

@@ -24,7 +24,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench.waiting import answers, wait
+from bench.waiting import answers, stop_all, wait
 
 REPO = Path(__file__).resolve().parents[1]
 REPEATS = 3
@@ -78,13 +78,7 @@ def measure(executor: str, env: dict[str, str], logs: Path, token: str) -> list[
             extra = f", sbatch answered → job started {scheduler:.2f} s" if scheduler is not None else ""
             print(f"{executor} run {attempt}: first step {results[-1][0]:.2f} s after submit{extra}", flush=True)
     finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes)
     return results
 
 

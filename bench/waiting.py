@@ -1,7 +1,8 @@
-"""Waiting on the processes a bench starts: a condition to come true, a server to answer."""
+"""The processes a bench starts: waiting for a condition or a server, and stopping them all."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from typing import Any
 
@@ -25,3 +26,14 @@ def answers(url: str) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each, the last started first; SIGKILL to any still running 20 s later."""
+    for process in reversed(processes):
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
