@@ -26,6 +26,7 @@ fault times it prints:
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -101,6 +102,34 @@ def _effective(events: list[dict[str, Any]], start: float, end: float) -> float:
     return sum(_kept(events, start, end).values()) / (end - start)
 
 
+def _time_lost(events: list[dict[str, Any]], start: float, end: float) -> dict[str, float]:
+    """Where the wall time in [start, end] that no kept step used went, in seconds:
+
+    * `down`: from the end of the last step before each failure to the start of the first step
+      after it (detection, the hang's timeout, restart, resume);
+    * `replay`: steps trained again after a restart (the work since the state resumed from);
+    * `between_steps`: gaps between consecutive steps of one attempt (event writes, in-memory
+      snapshots, a checkpoint's time on the training thread).
+
+    kept + the three = end - start, up to the partial steps at the window's edges.
+    """
+    steps = [e for e in events if e["kind"] == "metrics" and start <= e["time"] - e["data"]["step_time"] and e["time"] <= end]
+    trained = sum(e["data"]["step_time"] for e in steps)
+    restarts = sorted(e["time"] for e in events if e["kind"] == "restarting")
+    down = between = 0.0
+    for before, after in zip(steps, steps[1:], strict=False):
+        gap = after["time"] - after["data"]["step_time"] - before["time"]
+        if bisect.bisect_left(restarts, before["time"]) < bisect.bisect_right(restarts, after["time"]):
+            down += gap
+        else:
+            between += gap
+    return {
+        "down": down,
+        "replay": trained - sum(_kept(events, start, end).values()),
+        "between_steps": between,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.recovery")
     parser.add_argument("--period", type=float, default=60.0, help="seconds between injected crashes")
@@ -166,6 +195,7 @@ def main() -> None:
         recovery = [(_resumed_step_after(events, k) or float("nan")) - k for k in kills]
         hang_recovery = (_resumed_step_after(events, hang_detected) or float("nan")) - hang_detected
         effective = _effective(events, start, end)
+        lost = _time_lost(events, start, end)
         baseline_end = kills[0]
         baseline = _effective(events, start, baseline_end)
         step_time = statistics.median(e["data"]["step_time"] for e in events if e["kind"] == "metrics")
@@ -213,11 +243,16 @@ def main() -> None:
         f"{args.period:.0f} s and one hang; {baseline:.1%} before the first crash   (target ≥ 95%)"
     )
     print(
+        f"time no kept step used: {lost['down']:.1f} s down (failure → first resumed step), {lost['replay']:.1f} s "
+        f"replaying steps, {lost['between_steps']:.1f} s between steps (events, snapshots, saves)"
+    )
+    print(
         f"clock=wall crash_detect_ms={max(crash_detect) * 1000:.0f} hang_detect_s={hang_detect:.2f} "
         f"hang_timeout_s={timeout:.0f} recovery_s={max([*recovery, hang_recovery]):.2f} "
         f"effective_pct={effective * 100:.1f} baseline_pct={baseline * 100:.1f} "
         f"checkpoint_interval_s={interval_s:.2f} young_interval_s={young_s:.2f} restarts={restarts} "
-        f"resumed_from_memory={from_memory} "
+        f"resumed_from_memory={from_memory} lost_down_s={lost['down']:.1f} lost_replay_s={lost['replay']:.1f} "
+        f"lost_between_steps_s={lost['between_steps']:.1f} "
         f"defaults=product"
     )
 
