@@ -96,7 +96,10 @@ def start_on_hosts(run: Run) -> None:
     for node, (host, devices) in sorted(nodes.items()):
         send_to_host(host, "start_process", {
             "key": agent_key(run.pk, node), "module": "training.agent", "lock": str(run_dir.agent_lock(node)),
-            "args": [*agent_arguments(run, run_dir.path, node, run.rendezvous, token), "--local-addr", host.address, *store_args],
+            "args": [
+                *agent_arguments(run, run_dir.path, node, run.rendezvous, token), "--local-addr", host.address,
+                "--logs-url", f"{settings.PUBLIC_URL}/api/runs/{run.pk}/shipped-logs/", *store_args,
+            ],
             "log": str(run_dir.agent_log(node)), "devices": devices, "device_kind": host.device_kind,
             "files": {run_dir.spec_file.name: spec_text(run)}, **on_host,
         })  # fmt: skip

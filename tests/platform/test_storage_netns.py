@@ -71,6 +71,12 @@ def s3_cluster_without_our_folder(
         yield cluster, server
 
 
+def run_log(cluster: Cluster, run_id: int, rank: int) -> str:
+    answer = cluster.api.get(f"/api/runs/{run_id}/logs/", params={"rank": rank, "lines": 400})
+    assert answer.status_code == 200, answer.text
+    return "\n".join(answer.json()["lines"])
+
+
 def host_data(tmp_path: Path, index: int) -> Path:
     return tmp_path / f"host{index}-data"
 
@@ -184,6 +190,22 @@ def test_a_run_on_two_hosts_that_cannot_see_the_control_planes_folder_trains_exp
         assert "succeeded" in own.agent_log(node).read_text()
         assert own.agent_lock(node).exists() and own.node(node).spool_file.exists()
         assert not run.run_dir.agent_lock(node).exists() and not run.run_dir.node(node).path.exists()
+    # Their logs came to us: the log API shows each rank's, and our copy of every rank's log is
+    # its host's file, byte for byte.
+    wait_until(lambda: "finished step 4" in run_log(cluster, run.pk, 0), 60, "rank 0's log through the API")
+    assert "checkpoint step 4 committed at s3://" in run_log(cluster, run.pk, 0)
+    assert "fathom: rank 1 starting" in run_log(cluster, run.pk, 1)
+    for index in (0, 1):
+        own = RunDir(host_data(tmp_path, index) / "runs" / run.folder.name)
+        (rank_log,) = own.logs_dir.glob("rank*.log")
+        copy = run.run_dir.logs_dir / rank_log.name
+        # (An agent ships its last lines as it exits, after its final event.)
+        wait_until(lambda a=copy, b=rank_log: a.exists() and a.read_bytes() == b.read_bytes(), 60, f"our copy of {rank_log}")
+    for node in (0, 1):
+        wait_until(
+            lambda node=node: "succeeded" in run.run_dir.agent_log(node).read_text(errors="replace"),
+            60, f"node {node}'s agent log saying it succeeded",
+        )  # fmt: skip
 
     # A cancel is a stop task to each host (SIGTERM to its agent): no marker is written anywhere.
     long = {**spec, "train": {**TRAIN, "steps": 400}}
@@ -202,6 +224,11 @@ def test_a_run_on_two_hosts_that_cannot_see_the_control_planes_folder_trains_exp
         assert f"stopped run-{long_id}-node-{node} (pid" in cluster.hosts[index].log.read_text()
         assert not (host_data(tmp_path, index) / "runs" / cancelled.folder.name / "cancel").exists()
     assert not cancelled.run_dir.cancel_marker.exists()
+    for node in (0, 1):
+        wait_until(
+            lambda node=node: "cancelled" in cancelled.run_dir.agent_log(node).read_text(errors="replace"),
+            60, f"node {node}'s agent log saying it cancelled",
+        )  # fmt: skip
     # The newest checkpoint the agents reported is committed on S3, and the hosts run nothing more.
     latest = cancelled.checkpoints.order_by("-step").first()
     assert latest is not None and latest.path.startswith(server.url("cluster"))

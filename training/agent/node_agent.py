@@ -54,6 +54,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from training.agent.log_shipper import LogShipper, ShipperConfig
 from training.agent.rank_processes import (
     RankProcess,
     RankSlot,
@@ -493,6 +494,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--events-url", default=None)
     parser.add_argument("--run-token", default=None)
+    parser.add_argument(
+        "--logs-url", default=None,
+        help="where to ship the logs of this host's run folder (a host the control plane cannot read)",
+    )  # fmt: skip
     parser.add_argument("--entrypoint", default="training.train", help="module each rank runs with --spec/--run-dir")
     parser.add_argument("--no-standby", action="store_true", help="start every rank cold (no warm standbys)")
     parser.add_argument("--rdzv-last-call", type=float, default=AgentConfig.rdzv_last_call_timeout)
@@ -600,6 +605,15 @@ def main(argv: list[str] | None = None) -> int:
     except CancelRequested:
         return ExitCode.CANCELLED
     reporter.start()
+    shipper = None
+    if args.logs_url and args.run_token:
+        shipper = LogShipper(
+            ShipperConfig(
+                logs_url=args.logs_url, run_token=args.run_token, logs_dir=config.folder.logs_dir,
+                node=config.node_dir, node_rank=config.node_rank, host=config.local_addr or socket.gethostname(),
+            )
+        )  # fmt: skip
+        shipper.start()
     reporter.emit(
         "agent_started",
         {
@@ -627,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
             reporter.spool.path,
         )
     logger.info("run %s: %s %s", config.run_id, outcome.kind, outcome.data)
+    if shipper is not None and not shipper.close(timeout=config.report_flush_timeout):
+        logger.warning("the last log lines were not shipped (%s); they stay in %s", shipper.last_error, config.folder.logs_dir)
     return outcome.code
 
 
