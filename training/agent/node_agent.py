@@ -1,7 +1,7 @@
 """The node agent: one per host, runs that host's ranks and keeps the run alive.
 
     python -m training.agent --spec SPEC_FILE --run-dir DIR --node-rank K \\
-        [--rdzv-endpoint HOST:PORT] [--events-url URL --run-token T]
+        [--rdzv-endpoint HOST:PORT] [--events-url URL --run-token T] [--logs-url URL]
 
 It is torch's elastic agent (`SimpleElasticAgent`: c10d rendezvous, rank assignment, restart
 budget, scale-up when a node waits to join, exit barrier) with Fathom's own parts where torch's
@@ -16,7 +16,9 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
 * a rank that reports an error no restart can cure (bad data, a spec it refuses, a broken
   tokenizer: `training.rank_environment.RankError`) fails the run at once with that reason;
 * every lifecycle event, and rank 0's events, go through the spooling reporter
-  (`training.agent.uplink`) to the control plane;
+  (`training.agent.uplink`) to the control plane; with `--logs-url` (a host whose run folder
+  the control plane cannot read) the logs of this host's run folder follow them
+  (`training.agent.log_shipper`);
 * when the rendezvous ends with fewer nodes than `nodes.max` (a node was lost and `nodes.min`
   allows going on), the ranks fit the spec's `layout.dp` to the new world size themselves
   (`RunSpec.resized`); the agent reads only the spec's `nodes` and its world size (`NodePlan`);
