@@ -17,7 +17,7 @@ import socket
 import struct
 import subprocess
 import threading
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hostworker.config import REPO_DIR, HostConfig
@@ -27,6 +27,19 @@ log = logging.getLogger(__name__)
 
 # What the control plane may ask a host to run: nothing else, whatever reaches its queue.
 MODULES = ("training.agent", "training.agent.rendezvous_store", "serving.supervisor")
+
+# In a start's args, log and lock: the host's own folder for the process (`start(folder=…)`),
+# under this host's data folder. The control plane names paths inside it without knowing where
+# the host keeps its data.
+FOLDER = "{folder}"
+
+
+def inside(root: Path, relative: str, what: str) -> Path:
+    """`root / relative`, refused unless `relative` is a plain relative path that stays inside."""
+    path = PurePosixPath(relative)
+    if not relative or path.is_absolute() or ".." in path.parts:
+        raise ValueError(f"{what} must be a relative path inside {root}; got {relative!r}")
+    return root / path
 
 
 def is_alive(pid: int) -> bool:
@@ -54,6 +67,14 @@ def interface_of(address: str) -> str | None:
                 if socket.inet_ntoa(raw[20:24]) == address:
                     return name
     return None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """A reader (an agent of an earlier launch, a rank restarting) sees the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 class Processes:
@@ -102,14 +123,22 @@ class Processes:
     def start(
         self, key: str, module: str, args: list[str], log_path: str, lock: str = "",
         devices: list[int] | None = None, device_kind: str = "cpu", launch: int = 0,
+        folder: str = "", files: dict[str, str] | None = None,
     ) -> int | None:  # fmt: skip
         """Starts `python -m module args` for `key` (`launch`: which launch of it); returns its pid.
 
-        The same launch delivered twice starts once. A new launch of a key whose previous one
-        still runs (a run resumed while its old agent stops) waits up to 90 s for the old one's
-        lock instead of giving up at once."""
+        `folder` (relative to this host's data folder) is the process's folder on this host:
+        `FOLDER` in args, log and lock stands for it, and `files` ({name in it: text}, such as
+        a run's spec) are written into it first, so the process reads nothing of the control
+        plane's own folder. The same launch delivered twice starts once. A new launch of a key
+        whose previous one still runs (a run resumed while its old agent stops) waits up to 90 s
+        for the old one's lock instead of giving up at once."""
         if module not in MODULES:
             raise ValueError(f"{module!r} is not a module a host runs ({', '.join(MODULES)})")
+        if folder:
+            own = str(inside(self.config.data_dir, folder, "folder"))
+            args = [arg.replace(FOLDER, own) for arg in args]
+            log_path, lock = log_path.replace(FOLDER, own), lock.replace(FOLDER, own)
         with self._lock:
             known = self._read()
             previous = known.get(key)
@@ -117,6 +146,9 @@ class Processes:
             if replacing and previous is not None and previous["launch"] == launch:
                 log.info("%s launch %d already runs (pid %d)", key, launch, previous["pid"])
                 return None
+            if folder:
+                for name, text in (files or {}).items():
+                    write_atomically(inside(Path(own), name, "a file's name"), text)
             command = [self.config.python, "-m", module, *args]
             if lock:
                 command = ["flock", *(["-w", "90"] if replacing else ["-n"]), "-E", "75", lock, *command]
@@ -142,7 +174,7 @@ class Processes:
         known = self._read().get(key)
         pid = known["pid"] if known else None
         if pid is None or not is_alive(pid):
-            # An agent that saw its run's cancel marker first has already exited: nothing to stop.
+            # It has exited already (an agent that saw its run's cancel marker or ended): nothing to stop.
             log.info("stop %s: not running", key)
             return False
         with contextlib.suppress(ProcessLookupError):

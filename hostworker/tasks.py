@@ -12,9 +12,14 @@ processes = Processes(config)
 def start_process(
     key: str, module: str, args: list[str], log: str, lock: str = "",
     devices: list[int] | None = None, device_kind: str = "cpu", launch: int = 0,
+    folder: str = "", files: dict[str, str] | None = None,
 ) -> int | None:  # fmt: skip
-    """Starts a node agent, a rendezvous store or a replica supervisor by module, detached."""
-    return processes.start(key, module, args, log, lock=lock, devices=devices, device_kind=device_kind, launch=launch)
+    """Starts a node agent, a rendezvous store or a replica supervisor by module, detached;
+    `folder` and `files`: its folder on this host and what to write there first (`Processes.start`)."""
+    return processes.start(
+        key, module, args, log, lock=lock, devices=devices, device_kind=device_kind, launch=launch,
+        folder=folder, files=files,
+    )  # fmt: skip
 
 
 @app.task(name="hostworker.tasks.stop_process")

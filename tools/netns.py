@@ -78,6 +78,21 @@ def unused_prefix() -> str:
     raise RuntimeError("no free 10.77.X.0/24 for the test network")
 
 
+def hiding(folder: Path) -> list[str]:
+    """A command prefix that runs the command in a mount namespace of its own, where `folder`
+    is an empty private tmpfs: a host that cannot see the control plane's data folder, as a
+    real machine could not (namespaces otherwise share the machine's filesystem). What the
+    command starts inherits the namespace; nothing mounted there reaches the machine's."""
+    script = 'mount -t tmpfs -o size=1m,mode=0755 fathom-hidden "$0" && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(folder)]
+
+
+def sees(pid: int, path: Path) -> bool:
+    """Whether `path` exists as process `pid` sees the filesystem (its mount namespace)."""
+    found = subprocess.run(["nsenter", "-t", str(pid), "-m", "test", "-e", str(path)], timeout=30)
+    return found.returncode == 0
+
+
 @contextmanager
 def network() -> Iterator[Network]:
     """A bridge on a /24 no interface uses; removed with its namespaces on the way out."""

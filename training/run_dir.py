@@ -4,15 +4,18 @@
         spec.json                       the run's resolved spec, written once by the control plane
         cancel                          marker: the control plane asks the node agents to stop
         agent-node<K>.lock              held (flock) by node K's agent for as long as it lives
+        shipped-logs.json               the control plane's: how much of each host's log file its copy holds
         events.jsonl                    rank 0's events when no agent started it (plain training.train)
         log.txt                         the ranks' output when a tool ran them without an agent
-        logs/rank<R>.log                stdout and stderr of rank R, appended across restarts
+        logs/rank<R>.log                stdout and stderr of rank R, appended across restarts (on a
+                                        host of its own, the control plane keeps a shipped copy)
         logs/agent-node<K>.log          node K's agent
         logs/standby-node<K>.log        node K's warm standbys, until they become ranks
         logs/rendezvous-store.log       the rendezvous store of a multi-node run
         logs/slurm-<job>.log            the batch script's output of Slurm job <job> (Slurm executor)
         slurm-job.sh, slurm-agent.sh    the run's Slurm batch script and what its srun starts per node
         node<K>/                        node K's agent's own files (the folder may be shared by hosts)
+            log-probe                   a token of the agent's log shipper: whoever reads it shares the folder
             events.jsonl                rank 0's events, tailed by the agent's uplink
             spool.jsonl, acked          the uplink's spool and what the control plane acknowledged
             heartbeat/rank<R>.json      rank R's last beat
@@ -47,11 +50,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 # Where in-memory snapshots live: a tmpfs (shared memory) that outlives a rank's process.
 SNAPSHOT_ROOT = "FATHOM_SNAPSHOT_ROOT"
+
+# The files of a run's `logs/` that a host ships to the control plane (`training.agent.log_shipper`).
+LOG_NAME = re.compile(r"(rank\d{1,6}|agent-node\d{1,4}|standby-node\d{1,4}|rendezvous-store)\.log")
 
 _STEP_PREFIX = "step_"
 _STAGING_SUFFIX = ".tmp"
@@ -158,6 +165,11 @@ class NodeDir:
         return self.path / "acked"
 
     @property
+    def log_probe_file(self) -> Path:
+        """The log shipper's token: a control plane that reads it here shares this folder."""
+        return self.path / "log-probe"
+
+    @property
     def heartbeat_dir(self) -> Path:
         return self.path / "heartbeat"
 
@@ -231,6 +243,11 @@ class RunDir:
     @property
     def rendezvous_store_log(self) -> Path:
         return self.logs_dir / "rendezvous-store.log"
+
+    @property
+    def shipped_logs_file(self) -> Path:
+        """The control plane's: how many bytes of each host's log file its copy holds."""
+        return self.path / "shipped-logs.json"
 
     def slurm_log(self, job: str) -> Path:
         """The output of the run's Slurm job `job` (sbatch's `%j` names every job's own)."""

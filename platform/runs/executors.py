@@ -79,14 +79,19 @@ class LocalExecutor:
 
 class HostsExecutor(LocalExecutor):
     """Agents on registered hosts: the scheduler claimed the run and its devices; the start
-    tasks go to the hosts' queues. Cancel and state are the local ones (the cancel marker and
-    stop tasks to the placed hosts; locks or the hosts' reports)."""
+    tasks, which carry the spec, go to the hosts' queues. Cancel is a stop task to each placed
+    host (SIGTERM to its agent: no file of the control plane's reaches a host); state is the
+    local one (locks here, or the hosts' reports of what they run)."""
 
     name = "hosts"
 
     def submit(self, run: Run) -> str:
         launcher.start_on_hosts(run)
         return "start tasks sent to its hosts"
+
+    def cancel(self, run: Run, *, started: bool) -> None:
+        if started:
+            launcher.stop_agents(run)
 
 
 class SlurmExecutor:

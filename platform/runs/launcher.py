@@ -37,9 +37,13 @@ def prepare(run: Run) -> tuple[Path, str]:
     # A resumed run starts in the folder its cancel was requested in: the request is spent.
     folder.cancel_marker.unlink(missing_ok=True)
     tmp = folder.spec_file.with_name(folder.spec_file.name + ".tmp")
-    tmp.write_text(json.dumps(run.spec, indent=2, sort_keys=True))  # as RunSpec.to_json writes it
+    tmp.write_text(spec_text(run))
     tmp.replace(folder.spec_file)
     return folder.path, secrets.token_urlsafe(32)
+
+
+def spec_text(run: Run) -> str:
+    return json.dumps(run.spec, indent=2, sort_keys=True)  # as RunSpec.to_json writes it
 
 
 def start_agents(run: Run, folder: Path, token: str) -> list[int]:
@@ -69,10 +73,13 @@ def start_on_hosts(run: Run) -> None:
     nodes) on the first host, at the endpoint chosen at placement, then one agent per node, each
     told its host's address and its devices. The host worker starts them under the agent lock,
     so a start delivered twice starts one agent."""
-    folder, token = prepare(run)
+    _, token = prepare(run)
     Run.objects.filter(pk=run.pk).update(token_hash=hash_token(token))
     launch = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
-    run_dir = RunDir(folder)
+    # Each host keeps the run's folder under its own data folder (the host worker puts it where
+    # HOST_FOLDER stands), and gets the spec with the start: a host needs nothing of ours.
+    run_dir = RunDir(Path(HOST_FOLDER))
+    on_host = {"folder": str(run.folder.relative_to(settings.DATA_DIR)), "launch": launch}
     claims = list(DeviceClaim.objects.filter(run=run).select_related("host").order_by("node", "device"))
     nodes: dict[int, tuple[Host, list[int]]] = {}
     for claim in claims:
@@ -82,17 +89,25 @@ def start_on_hosts(run: Run) -> None:
         first = nodes[0][0]
         send_to_host(first, "start_process", {
             "key": f"run-{run.pk}-store", "module": "training.agent.rendezvous_store",
-            "args": ["--endpoint", run.rendezvous, "--run-dir", str(folder)],
-            "log": str(run_dir.rendezvous_store_log), "launch": launch,
+            "args": ["--endpoint", run.rendezvous, "--run-dir", str(run_dir.path)],
+            "log": str(run_dir.rendezvous_store_log), **on_host,
         })  # fmt: skip
         store_args = ["--host-store", "no"]
     for node, (host, devices) in sorted(nodes.items()):
         send_to_host(host, "start_process", {
             "key": agent_key(run.pk, node), "module": "training.agent", "lock": str(run_dir.agent_lock(node)),
-            "args": [*agent_arguments(run, folder, node, run.rendezvous, token), "--local-addr", host.address, *store_args],
+            "args": [
+                *agent_arguments(run, run_dir.path, node, run.rendezvous, token), "--local-addr", host.address,
+                "--logs-url", f"{settings.PUBLIC_URL}/api/runs/{run.pk}/shipped-logs/", *store_args,
+            ],
             "log": str(run_dir.agent_log(node)), "devices": devices, "device_kind": host.device_kind,
-            "launch": launch,
+            "files": {run_dir.spec_file.name: spec_text(run)}, **on_host,
         })  # fmt: skip
+
+
+# What a host worker's start_process replaces with the process's folder on that host
+# (hostworker.processes.FOLDER; the control plane imports nothing of the host worker).
+HOST_FOLDER = "{folder}"
 
 
 def agent_key(run_id: int, node: int) -> str:
@@ -146,10 +161,18 @@ def has_local_agents(run: Run) -> bool:
 
 
 def request_cancel(run: Run) -> None:
-    """Asks the agents to stop their ranks cleanly: a marker file they poll, and SIGTERM (by
-    a task to each host the run is placed on, or here for agents this host started)."""
+    """Asks the agents this machine started to stop their ranks cleanly: a marker file they
+    poll, and SIGTERM (`stop_agents`)."""
     run.folder.mkdir(parents=True, exist_ok=True)
     run.run_dir.cancel_marker.touch()
+    stop_agents(run)
+
+
+def stop_agents(run: Run) -> None:
+    """SIGTERM to the run's agents, which cancels: each stops its ranks, which finish a save
+    under way, and reports `cancelled`. By a stop task to each host the run is placed on (a
+    host keeps the run's folder to itself, so no marker of ours would reach it), or here for
+    agents this machine started."""
     # Not to a lost host: its agents went with it, and a stop waiting in its queue could end a
     # later launch there.
     claims = DeviceClaim.objects.filter(run=run).exclude(host__status=Host.Status.LOST).select_related("host")

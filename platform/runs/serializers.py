@@ -259,6 +259,17 @@ class IngestSerializer(serializers.Serializer):
     events = IngestEventSerializer(many=True, allow_empty=True, max_length=10000)  # type: ignore[call-arg]
 
 
+class ShippedLogSerializer(serializers.Serializer):
+    """A piece of a log file of a host's run folder, from its agent's log shipper."""
+
+    host = serializers.CharField(max_length=255, help_text="The shipping host's address.")
+    node = serializers.IntegerField(min_value=0, help_text="The shipping agent's node.")
+    probe = serializers.CharField(max_length=64, help_text="The token the shipper wrote into its node folder.")
+    file = serializers.RegexField(r"^[A-Za-z0-9_-]{1,40}\.log$", help_text="rank<R>.log, agent-node<K>.log, …")  # type: ignore[assignment]
+    offset = serializers.IntegerField(min_value=0, help_text="Where in the host's file `chunk` starts.")
+    chunk = serializers.CharField(allow_blank=True, max_length=2 * 1024 * 1024, help_text="Base64 bytes, at most 1 MiB.")
+
+
 class CompareQuerySerializer(serializers.Serializer):
     """The query of `GET /api/runs/compare/`, for the schema; `runs.compare.check_ids` checks it."""
 

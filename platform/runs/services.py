@@ -671,7 +671,7 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
         # IMMEDIATE transaction serialises writers instead).
         row = (
             Run.objects.select_for_update()
-            .values("last_seq", "status", "started_at", "node_reports", "silent_nodes")
+            .values("last_seq", "status", "started_at", "node_reports", "silent_nodes", "cancel_requested")
             .get(pk=run.pk)
         )
         held_up_to = int(RunEvent.objects.filter(run=run, source=source).aggregate(top=Max("source_seq"))["top"] or 0)
@@ -704,6 +704,10 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
             changes["last_seq"] = first + len(stored) - 1
             observability.count_ingested(len(stored))  # counted once the batch commits
             status = _changes_from_events(run, stored, changes)
+        if status == Run.Status.FAILED and row["cancel_requested"]:
+            # Each agent is stopped by a signal of its own: one that is not stopped yet when
+            # another closes the rendezvous reports a failed rendezvous. The run was cancelled.
+            status = Run.Status.CANCELLED
         moved = status is not None and row["status"] in _MOVES_FROM[status]
         if moved:
             now = timezone.now()

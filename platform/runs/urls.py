@@ -10,6 +10,7 @@ from runs.views import (
     ProjectViewSet,
     RunEventsView,
     RunViewSet,
+    ShippedLogsView,
 )
 
 router = DefaultRouter(trailing_slash=True)
@@ -21,6 +22,7 @@ router.register("projects", ProjectViewSet, basename="project")
 
 urlpatterns = [
     path("runs/<int:run_id>/events/", RunEventsView.as_view(), name="run-events"),
+    path("runs/<int:run_id>/shipped-logs/", ShippedLogsView.as_view(), name="run-shipped-logs"),
     path("runs/<int:run_id>/logs.tar", RunLogsDownload.as_view(), name="run-logs-tar"),
     path(
         "runs/<int:run_id>/checkpoints/<int:checkpoint_id>/export.tar",

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,7 @@ from runs.serializers import (
     ProjectSerializer,
     RunEventSerializer,
     RunSerializer,
+    ShippedLogSerializer,
 )
 from training.config import RECIPES
 
@@ -285,16 +288,57 @@ class RunEventsView(APIView):
         },
     )
     def post(self, request: Request, run_id: int) -> Response:
-        run = Run.objects.filter(pk=run_id).first()
-        auth = request.headers.get("Authorization", "")
-        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        if run is None or not token or not run.token_hash or not hmac.compare_digest(
-            services.hash_token(token), run.token_hash
-        ):
+        run = _run_of_token(request, run_id)
+        if run is None:
             return Response({"detail": "A valid run token is required."}, status=status.HTTP_401_UNAUTHORIZED)
         # IngestSerializer documents the body; plain checks validate it (services.check_ingest_batch says why).
         source, events = services.check_ingest_batch(request.data)
         return Response({"last_seq": services.do_ingest_events(run, source, events)})
+
+
+def _run_of_token(request: Request, run_id: int) -> Run | None:
+    """The run whose agents' bearer token the request carries; None for any other."""
+    run = Run.objects.filter(pk=run_id).first()
+    auth = request.headers.get("Authorization", "")
+    token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+    if run is None or not token or not run.token_hash:
+        return None
+    return run if hmac.compare_digest(services.hash_token(token), run.token_hash) else None
+
+
+class ShippedLogsView(APIView):
+    """POST: a piece of a log of a host's run folder (run token), kept in ours for the log API
+    (`training.agent.log_shipper` says the protocol)."""
+
+    permission_classes = [AllowAny]
+    authentication_classes: list[Any] = []  # the run's bearer token, checked in post(); no session/CSRF
+
+    @extend_schema(
+        request=ShippedLogSerializer,
+        responses={
+            200: inline_serializer(
+                "ShippedLogAck",
+                {"offset": serializers.IntegerField(required=False), "shared": serializers.BooleanField(required=False)},
+            ),
+            401: inline_serializer("ShippedLogRunTokenRequired", {"detail": serializers.CharField()}),
+        },
+    )
+    def post(self, request: Request, run_id: int) -> Response:
+        run = _run_of_token(request, run_id)
+        if run is None:
+            return Response({"detail": "A valid run token is required."}, status=status.HTTP_401_UNAUTHORIZED)
+        body = ShippedLogSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        piece = body.validated_data
+        if logs.shared_with_agent(run, piece["node"], piece["probe"]):
+            return Response({"shared": True})
+        try:
+            data = base64.b64decode(piece["chunk"], validate=True)
+        except binascii.Error:
+            raise InvalidInput("chunk", "must be base64") from None
+        if len(data) > logs.MAX_PIECE_BYTES:
+            raise InvalidInput("chunk", f"must be at most {logs.MAX_PIECE_BYTES} bytes; got {len(data)}")
+        return Response({"offset": logs.append_shipped(run, piece["host"], piece["file"], piece["offset"], data)})
 
 
 @extend_schema_view(list=extend_schema(parameters=[CHECKPOINT_ORDERING]))

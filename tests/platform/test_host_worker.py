@@ -6,14 +6,17 @@ network namespaces of their own."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from hosts.models import Host
+from hostworker.config import HostConfig
 from hostworker.devices import slot_cores
+from hostworker.processes import Processes, is_alive
 from runs.models import Run
-from tests.platform.conftest import HostWorker
+from tests.platform.conftest import HostWorker, free_port
 from tests.platform.test_run_lifecycle import api, wait_until
 from training.heartbeat import read_beat
 from training.run_dir import RunDir
@@ -36,6 +39,30 @@ def test_cpu_slots_share_a_hosts_cores_equally_and_cycle_when_there_are_more_slo
     assert slot_cores([1, 3], 4, [0, 1, 2, 3, 4, 5, 6, 7]) == [[2, 3], [6, 7]]
     assert slot_cores([1], 2, [4, 5, 6, 7]) == [[6, 7]]  # the worker's own cores, whatever their ids
     assert slot_cores([2, 3], 4, [0, 1]) == [[0], [1]]
+
+def test_a_host_keeps_a_runs_folder_under_its_own_data_folder_with_the_files_it_was_sent(tmp_path: Path) -> None:
+    config = HostConfig(
+        name="h", control_url="http://127.0.0.1:9", join_token="t", address="127.0.0.1", broker_url="filesystem://",
+        data_dir=tmp_path / "host-data", state_dir=tmp_path / "state", labels={}, cpu_slots=1, heartbeat_s=1.0,
+        python=sys.executable,
+    )  # fmt: skip
+    processes = Processes(config)
+    store = "training.agent.rendezvous_store"
+    with pytest.raises(ValueError, match="folder must be a relative path inside"):
+        processes.start("run-1-store", store, [], "{folder}/store.log", folder="../elsewhere")
+    with pytest.raises(ValueError, match="a file's name must be a relative path inside"):
+        processes.start("run-1-store", store, [], "{folder}/store.log", folder="runs/1-x", files={"../../spec.json": "{}"})
+    assert processes.running() == []
+
+    args = ["--endpoint", f"127.0.0.1:{free_port()}", "--run-dir", "{folder}", "--start-grace-s", "1"]
+    pid = processes.start("run-1-store", store, args, "{folder}/logs/store.log", folder="runs/1-x", files={"spec.json": '{"a": 1}'})
+    assert pid is not None
+    own = tmp_path / "host-data" / "runs" / "1-x"
+    assert (own / "spec.json").read_text() == '{"a": 1}'
+    # The store watched this folder's agent locks (none) and left: it was given the folder itself.
+    wait_until(lambda: not is_alive(pid), 120, "the store to leave")
+    assert "no agent of the run is left" in (own / "logs" / "store.log").read_text()
+
 
 pytestmark = pytest.mark.slow
 
@@ -97,11 +124,14 @@ def test_a_run_placed_on_a_host_worker_trains_there_is_cancelled_there_and_frees
         assert allowed_cores(beat.pid) == slot_cores([0], 2, sorted(os.sched_getaffinity(0)))[0]
         assert client.post(f"/api/runs/{long_id}/cancel/").status_code == 200
         wait_until(lambda: Run.objects.get(pk=long_id).status == "cancelled", 120, "the cancel")
-        # The host takes the stop task; the agent may have exited already on the cancel marker it
-        # reads from the run folder, in which case the host finds nothing left to stop.
+        # The cancel is the host's stop task (SIGTERM to the agent): no marker is written.
         key = f"run-{long_id}-node-0"
-        took = (f"stopped {key} (pid", f"stop {key}: not running")
-        wait_until(lambda: any(line in host.log.read_text() for line in took), 60, "the host to take the stop task")
+        wait_until(lambda: f"stopped {key} (pid" in host.log.read_text(), 60, "the host to take the stop task")
+        assert not RunDir(Run.objects.get(pk=long_id).folder).cancel_marker.exists()
+        # This host shares our data folder (one machine): its agent found that out and shipped
+        # no log; the log API reads the ranks' own files.
+        assert not RunDir(Run.objects.get(pk=long_id).folder).shipped_logs_file.exists()
+        assert client.get(f"/api/runs/{long_id}/logs/", params={"rank": 0}).json()["lines"]
         wait_until(lambda: Host.objects.get().running == [], 60, "the host to report nothing running")
         assert client.get("/api/hosts/").json()["results"][0]["free"] == 2
     finally:

@@ -57,9 +57,11 @@ def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator
 
 @contextmanager
 def running_cluster(
-    network: Network, alice, tmp_path: Path, monkeypatch, host_env: Callable[[int], dict[str, str]] = lambda i: {}
+    network: Network, alice, tmp_path: Path, monkeypatch, host_env: Callable[[int], dict[str, str]] = lambda i: {},
+    hidden: Path | None = None,
 ) -> Iterator[Cluster]:
-    """The `cluster` fixture's cluster; `host_env(index)` adds to a host worker's environment."""
+    """The `cluster` fixture's cluster; `host_env(index)` adds to a host worker's environment;
+    `hidden`: a folder each host worker (and all it starts) sees as an empty tmpfs of its own."""
     bridge = network.bridge_address
     redis_port, web_port = free_port(), free_port()
     url = f"http://{bridge}:{web_port}"
@@ -90,7 +92,7 @@ def running_cluster(
             namespace = network.add_namespace()
             host = HostWorker(
                 f"h{index}", tmp_path / f"host{index}.log", url, TOKEN, cpu_slots=2,
-                prefix=["ip", "netns", "exec", namespace], **host_env(index),
+                prefix=["ip", "netns", "exec", namespace, *(netns.hiding(hidden) if hidden else [])], **host_env(index),
             )  # fmt: skip
             host.start()
             stoppers.append(host.stop)

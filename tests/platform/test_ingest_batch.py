@@ -118,3 +118,19 @@ def test_a_malformed_batch_names_the_field(client, run, body, field):
     response = ingest(client, run, body)
     assert response.status_code == 400, response.content
     assert field in response.json()
+
+
+def test_an_agent_that_fails_after_its_run_was_asked_to_cancel_ends_the_run_cancelled(client, run):
+    # Each host's agent gets its own stop signal: one not yet signalled when another closed the
+    # rendezvous reports a failed rendezvous.
+    Run.objects.filter(pk=run.pk).update(cancel_requested=True)
+    failed = {"seq": 1, "kind": "failed", "time": 1.0e9, "data": {"reason": "rendezvous: RendezvousClosedError"}}
+    assert ingest(client, run, {"source": "node-1", "events": [failed]}).status_code == 200
+    run.refresh_from_db()
+    assert (run.status, run.status_reason) == ("cancelled", "rendezvous: RendezvousClosedError")
+
+
+def test_an_agent_that_fails_without_a_cancel_fails_the_run(client, run):
+    failed = {"seq": 1, "kind": "failed", "time": 1.0e9, "data": {"reason": "rank 0 exited with 1"}}
+    ingest(client, run, {"source": "node-0", "events": [failed]})
+    assert Run.objects.get(pk=run.pk).status == "failed"

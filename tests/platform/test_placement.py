@@ -99,6 +99,14 @@ def test_a_two_node_run_is_placed_one_node_per_host_and_its_agents_start_there(a
     assert args[args.index("--local-addr") + 1] == "10.9.0.12"
     assert args[args.index("--node-rank") + 1] == "1"
     assert args[args.index("--events-url") + 1].startswith(settings.PUBLIC_URL)
+    assert args[args.index("--logs-url") + 1] == f"{settings.PUBLIC_URL}/api/runs/{run_id}/shipped-logs/"
+    # The host keeps the run's folder under its own data folder ({folder}) and gets the spec
+    # with the task: no path of ours reaches it.
+    assert agent_b["folder"] == f"runs/{run.folder.name}"
+    assert json.loads(agent_b["files"]["spec.json"]) == run.spec
+    assert (args[args.index("--spec") + 1], args[args.index("--run-dir") + 1]) == ("{folder}/spec.json", "{folder}")
+    assert (agent_b["lock"], agent_b["log"]) == ("{folder}/agent-node1.lock", "{folder}/logs/agent-node1.log")
+    assert str(settings.DATA_DIR) not in json.dumps([kwargs for _, kwargs in tasks_a + tasks_b])
 
 
 def test_a_run_that_can_never_fit_the_cluster_is_refused_naming_why(alice_api, two_hosts):
@@ -162,6 +170,7 @@ def test_cancelling_a_placed_run_sends_stop_to_each_of_its_hosts_and_frees_its_d
         services.do_cancel_run(Run.objects.get(pk=run_id))
     assert host_tasks("host.a") == [("hostworker.tasks.stop_process", {"key": f"run-{run_id}-node-0"})]
     assert host_tasks("host.b") == [("hostworker.tasks.stop_process", {"key": f"run-{run_id}-node-1"})]
+    assert not Run.objects.get(pk=run_id).run_dir.cancel_marker.exists()  # a host could not see it
     # The agents say `cancelled`; the run ends and its devices are free.
     services.do_set_status(Run.objects.get(pk=run_id), Run.Status.CANCELLED, "cancelled")
     assert not DeviceClaim.objects.exists()

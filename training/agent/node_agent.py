@@ -1,7 +1,7 @@
 """The node agent: one per host, runs that host's ranks and keeps the run alive.
 
     python -m training.agent --spec SPEC_FILE --run-dir DIR --node-rank K \\
-        [--rdzv-endpoint HOST:PORT] [--events-url URL --run-token T]
+        [--rdzv-endpoint HOST:PORT] [--events-url URL --run-token T] [--logs-url URL]
 
 It is torch's elastic agent (`SimpleElasticAgent`: c10d rendezvous, rank assignment, restart
 budget, scale-up when a node waits to join, exit barrier) with Fathom's own parts where torch's
@@ -16,7 +16,9 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
 * a rank that reports an error no restart can cure (bad data, a spec it refuses, a broken
   tokenizer: `training.rank_environment.RankError`) fails the run at once with that reason;
 * every lifecycle event, and rank 0's events, go through the spooling reporter
-  (`training.agent.uplink`) to the control plane;
+  (`training.agent.uplink`) to the control plane; with `--logs-url` (a host whose run folder
+  the control plane cannot read) the logs of this host's run folder follow them
+  (`training.agent.log_shipper`);
 * when the rendezvous ends with fewer nodes than `nodes.max` (a node was lost and `nodes.min`
   allows going on), the ranks fit the spec's `layout.dp` to the new world size themselves
   (`RunSpec.resized`); the agent reads only the spec's `nodes` and its world size (`NodePlan`);
@@ -54,6 +56,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from training.agent.log_shipper import LogShipper, ShipperConfig
 from training.agent.rank_processes import (
     RankProcess,
     RankSlot,
@@ -493,6 +496,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--events-url", default=None)
     parser.add_argument("--run-token", default=None)
+    parser.add_argument(
+        "--logs-url", default=None,
+        help="where to ship the logs of this host's run folder (a host the control plane cannot read)",
+    )  # fmt: skip
     parser.add_argument("--entrypoint", default="training.train", help="module each rank runs with --spec/--run-dir")
     parser.add_argument("--no-standby", action="store_true", help="start every rank cold (no warm standbys)")
     parser.add_argument("--rdzv-last-call", type=float, default=AgentConfig.rdzv_last_call_timeout)
@@ -600,6 +607,15 @@ def main(argv: list[str] | None = None) -> int:
     except CancelRequested:
         return ExitCode.CANCELLED
     reporter.start()
+    shipper = None
+    if args.logs_url and args.run_token:
+        shipper = LogShipper(
+            ShipperConfig(
+                logs_url=args.logs_url, run_token=args.run_token, logs_dir=config.folder.logs_dir,
+                node=config.node_dir, node_rank=config.node_rank, host=config.local_addr or socket.gethostname(),
+            )
+        )  # fmt: skip
+        shipper.start()
     reporter.emit(
         "agent_started",
         {
@@ -627,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
             reporter.spool.path,
         )
     logger.info("run %s: %s %s", config.run_id, outcome.kind, outcome.data)
+    if shipper is not None and not shipper.close(timeout=config.report_flush_timeout):
+        logger.warning("the last log lines were not shipped (%s); they stay in %s", shipper.last_error, config.folder.logs_dir)
     return outcome.code
 
 
