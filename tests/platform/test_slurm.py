@@ -18,7 +18,8 @@ from rest_framework.authtoken.models import Token
 from runs.models import Run
 from runs.tasks import watch_slurm_jobs
 from tests.platform.test_run_lifecycle import STORY, api, follow, wait_until
-from training.config import RECIPES
+from tools.check_parity import launch, step_values
+from training.config import RECIPES, RunSpec
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +154,69 @@ def test_a_job_warned_of_its_time_limit_requeues_itself_and_the_run_resumes_on_t
     repeated = {step: seen for step, seen in losses.items() if len(seen) > 1}
     assert resumed == 12 and {13, 14, 15} <= set(repeated) and min(repeated) == 13
     assert all(seen[0] == seen[1] for seen in repeated.values()), repeated  # bitwise: the same curve
+
+
+@pytest.fixture
+def signal_lead_of_10_s(monkeypatch):
+    """The time-limit signal 10 s ahead (set before the web process and the Celery worker start):
+    the default lead (300 s) is longer than a 1-minute time limit."""
+    monkeypatch.setenv("FATHOM_SLURM_SIGNAL_LEAD", "10")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_at_its_time_limit_checkpoints_on_the_signal_and_its_requeued_job_finishes_on_the_same_loss_curve(
+    slurm, signal_lead_of_10_s, alice, live_web, celery_worker_with_beat, tmp_path
+):
+    client = api(live_web, alice)
+    # 40 to 60 s of training on this 2-core host (0.1 to 0.15 s a step), more than one job of a
+    # 1-minute time limit holds: Slurm checks time limits every 30 s and signals once at most the
+    # lead + 30 s are left, so a job trains from its start (~15 s) to 20 to 50 s. The only
+    # periodic checkpoint is the last step's, so any other was the signal's.
+    steps = 400
+    spec = {"layout": {"dp": 2}, "train": {"steps": steps, "checkpoint_interval": steps, "global_batch": 4}}
+    created = client.post("/api/runs/", json={"name": "time-limited", "spec": spec, "slurm": {"time_limit": "1"}})
+    assert created.status_code == 201, created.text
+    run_id = created.json()["id"]
+
+    def finished_starting_requeued_jobs_now() -> bool:
+        run = client.get(f"/api/runs/{run_id}/").json()
+        if run["status"] == "restarting" and run["status_reason"].startswith("requeued by Slurm"):
+            # Slurm holds a requeued job 2 minutes before it may start again.
+            subprocess.run(
+                ["scontrol", "update", f"JobId={run['slurm_job_id']}", "StartTime=now"],
+                capture_output=True, env=dict(os.environ, **slurm.env()),
+            )  # fmt: skip
+        return run["status"] in ("succeeded", "failed", "cancelled")
+
+    wait_until(finished_starting_requeued_jobs_now, 900, "the run to finish")
+    run = Run.objects.get(pk=run_id)
+    assert (run.status, run.step) == ("succeeded", steps), run.status_reason
+    job_id = run.slurm_job_id
+    events = list(run.events.order_by("seq").values("kind", "time", "data"))
+
+    # Each job but the last was signalled, its ranks checkpointed the step they were at, and its
+    # agent stopped; the job then requeued itself and the next one resumed from that very step.
+    stops = [e["data"]["step"] for e in events if e["kind"] == "stop_requested"]
+    assert stops and stops == sorted(stops) and stops[-1] < steps
+    assert [e["data"]["step"] for e in events if e["kind"] == "checkpoint"] == [*stops, steps]
+    assert [e["data"]["step"] for e in events if e["kind"] == "resumed"] == stops
+    reason = f"the time limit of Slurm job {job_id} is 10 s away"
+    assert [e["data"]["reason"] for e in events if e["kind"] == "stop_requested"] == [reason] * len(stops)
+    assert [e["data"]["reason"] for e in events if e["kind"] == "stopped"] == [
+        f"checkpointed step {step} as the scheduler asked: {reason}" for step in stops
+    ]
+    assert [e["kind"] for e in events].count("agent_started") == len(stops) + 1
+    job_log = run.run_dir.slurm_log(job_id).read_text()
+    assert re.findall(r"checkpointed step (\d+) for the time limit .*; requeueing", job_log) == [str(s) for s in stops]
+    # The step checkpointed is the one that ended after the signal (the request is written after
+    # the log line, and rank 0 reports a step's metrics after agreeing on the request).
+    signalled = [float(t) for t in re.findall(r"time-limit signal at (\S+):", job_log)]
+    assert len(signalled) == len(stops)
+    step_ended = {e["data"]["step"]: e["time"].timestamp() for e in events if e["kind"] == "metrics"}
+    assert all(step_ended[step] > at for step, at in zip(stops, signalled, strict=True))
+
+    # Every step ran once, and the curve is an uninterrupted run's, bit for bit.
+    losses = [(e["data"]["step"], e["data"]["loss"]) for e in events if e["kind"] == "metrics"]
+    assert [step for step, _ in losses] == list(range(1, steps + 1))
+    reference = launch(RunSpec.from_json(run.run_dir.spec_file.read_text()), tmp_path / "uninterrupted", 600)
+    assert dict(losses) == step_values(reference)
