@@ -155,21 +155,23 @@ def test_a_job_slurm_requeues_resumes_the_run_from_its_checkpoint_on_the_same_lo
 
 
 @pytest.fixture
-def signal_lead_of_10_s(monkeypatch):
-    """The time-limit signal 10 s ahead (set before the web process and the Celery worker start):
-    the default lead (300 s) is longer than a 1-minute time limit."""
-    monkeypatch.setenv("FATHOM_SLURM_SIGNAL_LEAD", "10")
+def signal_lead_of_5_s(monkeypatch):
+    """The time-limit signal 5 s ahead (set before the web process and the Celery worker start):
+    the default lead (300 s) is longer than a 1-minute time limit. Slurm checks time limits every
+    30 s and signals once at most the lead + 30 s are left: from 25 to 55 s into a job, which
+    leaves a job of this test 5 to 35 s of training after its start (~20 s on this 2-core host);
+    the kill comes at the first check past the limit, at least 30 s after the signal."""
+    monkeypatch.setenv("FATHOM_SLURM_SIGNAL_LEAD", "5")
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_job_at_its_time_limit_checkpoints_on_the_signal_and_its_requeued_job_finishes_on_the_same_loss_curve(
-    slurm, signal_lead_of_10_s, alice, live_web, celery_worker_with_beat, tmp_path
+    slurm, signal_lead_of_5_s, alice, live_web, celery_worker_with_beat, tmp_path
 ):
     client = api(live_web, alice)
     # 40 to 60 s of training on this 2-core host (0.1 to 0.15 s a step), more than one job of a
-    # 1-minute time limit holds: Slurm checks time limits every 30 s and signals once at most the
-    # lead + 30 s are left, so a job trains from its start (~15 s) to 20 to 50 s. The only
-    # periodic checkpoint is the last step's, so any other was the signal's.
+    # 1-minute time limit holds. The only periodic checkpoint is the last step's, so any other
+    # was the signal's.
     steps = 400
     spec = {"layout": {"dp": 2}, "train": {"steps": steps, "checkpoint_interval": steps, "global_batch": 4}}
     created = client.post("/api/runs/", json={"name": "time-limited", "spec": spec, "slurm": {"time_limit": "1"}})
@@ -198,7 +200,7 @@ def test_a_job_at_its_time_limit_checkpoints_on_the_signal_and_its_requeued_job_
     assert stops and stops == sorted(stops) and stops[-1] < steps
     assert [e["data"]["step"] for e in events if e["kind"] == "checkpoint"] == [*stops, steps]
     assert [e["data"]["step"] for e in events if e["kind"] == "resumed"] == stops
-    reason = f"the time limit of Slurm job {job_id} is 10 s away"
+    reason = f"the time limit of Slurm job {job_id} is 5 s away"
     assert [e["data"]["reason"] for e in events if e["kind"] == "stop_requested"] == [reason] * len(stops)
     assert [e["data"]["reason"] for e in events if e["kind"] == "stopped"] == [
         f"checkpointed step {step} as the scheduler asked: {reason}" for step in stops
