@@ -404,7 +404,10 @@ class Trainer:
         """A scheduler asked the ranks to stop (its job's time limit is near): every rank saves
         `step` (the same step, agreed in `train_step`) and waits for its commit, so the job that
         resumes the run starts exactly here."""
-        reason = self.stop_request.read_text(errors="replace").strip() if self.stop_request else ""
+        try:
+            reason = self.stop_request.read_text(errors="replace").strip() if self.stop_request else ""
+        except OSError:  # another node's file system may not show it yet: a peer saw it
+            reason = ""
         if self.rank == 0:
             say(f"stop requested ({reason or 'no reason given'}): checkpointing step {step}")
         if self.events is not None:
