@@ -9,6 +9,8 @@ port), starts the rendezvous store of a multi-node run beside itself, and `srun`
 (SLURM_NODEID). Devices are Slurm's: the job asks for `--gpus-per-node` and the agents see the
 CUDA_VISIBLE_DEVICES Slurm sets. The job carries the run's name and launch number
 (`job_name`), which is how a launch whose worker died before it saved the job id finds it.
+Ahead of the time limit (`--signal`), the script asks the ranks to checkpoint and stop (the run
+folder's stop request) and, once they have, requeues its job if the run is unfinished.
 
 Nothing here records events or changes a run's status: `runs.executors` and `runs.tasks` do.
 """
