@@ -158,7 +158,7 @@ def test_a_job_slurm_requeues_resumes_the_run_from_its_checkpoint_on_the_same_lo
 def signal_lead_of_5_s(monkeypatch):
     """The time-limit signal 5 s ahead (set before the web process and the Celery worker start):
     the default lead (300 s) is longer than a 1-minute time limit. Slurm checks time limits every
-    30 s and signals once at most the lead + 30 s are left: from 25 to 55 s into a job, which
+    30 s and signals once about the lead + 30 s are left: some 25 to 55 s into a job, which
     leaves a job of this test 5 to 35 s of training after its start (~20 s on this 2-core host);
     the kill comes at the first check past the limit, at least 30 s after the signal."""
     monkeypatch.setenv("FATHOM_SLURM_SIGNAL_LEAD", "5")
