@@ -24,11 +24,15 @@ HEARTBEAT_FILE = "FATHOM_HEARTBEAT_FILE"
 HEARTBEAT_INTERVAL = "FATHOM_HEARTBEAT_INTERVAL"
 EVENTS_FILE = "FATHOM_EVENTS_FILE"
 ERROR_FILE = "FATHOM_ERROR_FILE"
+STOP_REQUEST_FILE = "FATHOM_STOP_REQUEST_FILE"
 
 # Failures that no restart can cure: the same input fails the same way on every attempt.
 ErrorClass = Literal["data", "spec", "tokenizer"]
 # A rank's exit status after it wrote such an error to its error file (sysexits' EX_CONFIG).
 NON_RETRYABLE_EXIT = 78
+# A rank's exit status after it checkpointed and stopped because its stop request asked it to
+# (sysexits' EX_TEMPFAIL: the run is unfinished and goes on in the scheduler's next job).
+SAVED_AND_STOPPED_EXIT = 75
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,6 +70,9 @@ class RankEnvironment:
     events_file: Path  # where rank 0 appends its JSON-lines events
     # Where the rank reports an error no restart can cure (`RankError`) before it exits.
     error_file: Path | None = None
+    # Where a scheduler asks the ranks to checkpoint at their next step and stop
+    # (`RunDir.stop_request`); None where nobody asks, and the ranks then spend nothing looking.
+    stop_request_file: Path | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnvironment | None:
@@ -82,6 +89,7 @@ class RankEnvironment:
             heartbeat_interval=float(env.get(HEARTBEAT_INTERVAL, "0.1")),
             events_file=Path(env.get(EVENTS_FILE, str(RunDir(run_dir).events_file))),
             error_file=Path(env[ERROR_FILE]) if env.get(ERROR_FILE) else None,
+            stop_request_file=Path(env[STOP_REQUEST_FILE]) if env.get(STOP_REQUEST_FILE) else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -93,4 +101,5 @@ class RankEnvironment:
             HEARTBEAT_INTERVAL: repr(self.heartbeat_interval),
             EVENTS_FILE: str(self.events_file),
             **({ERROR_FILE: str(self.error_file)} if self.error_file else {}),
+            **({STOP_REQUEST_FILE: str(self.stop_request_file)} if self.stop_request_file else {}),
         }

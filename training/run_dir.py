@@ -217,6 +217,13 @@ class RunDir:
         """Touched by the control plane to cancel; the agents poll it, a resume removes it."""
         return self.path / "cancel"
 
+    @property
+    def stop_request(self) -> Path:
+        """Written by a scheduler's job (the Slurm batch script, on the signal that its time
+        limit is near) to ask the ranks to checkpoint at their next step and stop; its text says
+        why. The job's next start removes it."""
+        return self.path / "stop-request"
+
     def agent_lock(self, node: int) -> Path:
         """Node `node`'s agent runs under `flock -n` on this file: held means the agent lives."""
         return self.path / f"agent-node{node}.lock"

@@ -29,7 +29,14 @@ from training.data import PreparedData, prepare_data
 from training.device import activate, device_from_environment
 from training.hooks import build_hooks
 from training.pretrained import resolve as resolve_pretrained
-from training.rank_environment import EVENTS_FILE, NON_RETRYABLE_EXIT, ErrorClass, RankEnvironment, RankError
+from training.rank_environment import (
+    EVENTS_FILE,
+    NON_RETRYABLE_EXIT,
+    SAVED_AND_STOPPED_EXIT,
+    ErrorClass,
+    RankEnvironment,
+    RankError,
+)
 from training.rank_events import EventLog
 from training.run_dir import RunDir
 from training.storage import StorageError
@@ -107,7 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(spec: RunSpec, run_dir: Path) -> None:
+def run(spec: RunSpec, run_dir: Path) -> int:
+    """Trains this rank; returns its exit status: 0, or SAVED_AND_STOPPED_EXIT when a stop
+    request ended the run's job early (`Trainer.fit`)."""
     # torchrun's contract: RANK and WORLD_SIZE name this process; absent, it is a single process.
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -149,16 +158,18 @@ def run(spec: RunSpec, run_dir: Path) -> None:
     trainer.fit()
     if events is not None:
         events.close()
+    return 0 if trainer.stopped_at is None else SAVED_AND_STOPPED_EXIT
 
 
 def shutdown(exit_code: int) -> None:
     """Leaves without the interpreter's teardown: gloo's threads freeing tensors during it abort the
     process now and then ("terminate called without an active exception"), which torchrun would
-    report as a failed job. The barrier makes sure no rank leaves while another still needs it."""
+    report as a failed job. The barrier makes sure no rank leaves while another still needs it
+    (after a stop, while rank 0 may still be committing the checkpoint)."""
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_initialized():
-        if exit_code == 0:
+        if exit_code in (0, SAVED_AND_STOPPED_EXIT):
             dist.barrier()
         dist.destroy_process_group()
     os._exit(exit_code)
@@ -212,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         fail_for_good(NonRetryable("spec", f"{args.spec}: {exc}"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        run(spec, args.run_dir)
+        exit_code = run(spec, args.run_dir)
     except NonRetryable as exc:
         fail_for_good(exc)
     except BaseException as exc:
@@ -222,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # a failed rank must not wait on peers in teardown; torchrun restarts the job
-    shutdown(0)
+    shutdown(exit_code)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,12 @@ class Trainer:
         self._resumed_policy: dict[str, Any] | None = None
         self._last_step_end: tuple[int, float] | None = None  # (step, perf_counter) of the last step's end
         self._eval_losses: dict[int, float] = {}  # rank 0: eval loss by step, for the checkpoint events
+        # Where a scheduler may ask the ranks to checkpoint and stop (its time limit is near);
+        # each step's end agrees on it over every rank (`train_step`), so all save the same step.
+        rank_env = RankEnvironment.from_environ()
+        self.stop_request = rank_env.stop_request_file if rank_env is not None else None
+        self.stop_agreed = False  # at the last step's end some rank had found the stop request
+        self.stopped_at: int | None = None  # the step `fit` checkpointed and stopped at, when asked to
 
     # --- One step -----------------------------------------------------------------------------
 
@@ -292,13 +298,23 @@ class Trainer:
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        asked = self.stop_request is not None and self.stop_request.exists()
         if self.distributed:
             # Rank 0 may not hold the loss (pipeline) and each dp rank holds only its share: sum
             # every last-stage, first-tp rank's mean / dp over the world.
             holds_loss = self.model.has_last_stage and self.reports_loss
             share = loss / self.dims.dp if holds_loss else torch.zeros((), device=self.device.torch_device)
-            dist.all_reduce(share)
-            loss = share
+            if self.stop_request is None:
+                dist.all_reduce(share)
+                loss = share
+            else:
+                # The stop request rides on the loss's all-reduce: every rank learns in the same
+                # step whether any rank found it (only one need see the file: the batch script's
+                # node sees it at once, a shared file system's other clients maybe later).
+                both = torch.stack([share, torch.full_like(share, float(asked))])
+                dist.all_reduce(both)
+                loss, asked = both[0], bool(both[1].item() > 0)
+        self.stop_agreed = asked
         end = time.perf_counter()
         step_time = end - start
         # Throughput as a user gets it: wall time since the previous step ended, so a checkpoint
@@ -384,8 +400,28 @@ class Trainer:
             self.events.emit("resumed", step=state["step"], path=location)
         return int(state["step"])
 
+    def _checkpoint_and_stop(self, step: int) -> int:
+        """A scheduler asked the ranks to stop (its job's time limit is near): every rank saves
+        `step` (the same step, agreed in `train_step`) and waits for its commit, so the job that
+        resumes the run starts exactly here."""
+        try:
+            reason = self.stop_request.read_text(errors="replace").strip() if self.stop_request else ""
+        except OSError:  # another node's file system may not show it yet: a peer saw it
+            reason = ""
+        if self.rank == 0:
+            say(f"stop requested ({reason or 'no reason given'}): checkpointing step {step}")
+        if self.events is not None:
+            self.events.emit("stop_requested", step=step, reason=reason)
+        self.checkpointer.save(step, self.trainer_state())
+        self.checkpointer.close()  # waits for a background save's commit
+        for hook in self.hooks:
+            hook.close()
+        self.stopped_at = step
+        return step
+
     def fit(self) -> int:
-        """Trains from the newest checkpoint to `train.steps`; returns the last step."""
+        """Trains from the newest checkpoint to `train.steps`, or until a stop request (then
+        `stopped_at` is set); returns the last step."""
         cfg = self.spec.train
         self._resumed_policy = None
         done = self.resume()
@@ -410,6 +446,8 @@ class Trainer:
                     step, {**self.trainer_state(), "rng": rng_state(), "checkpoint_policy": policy.state_dict()}
                 )
                 snapshot_policy.taken(step, time.perf_counter() - started)
+            if self.stop_agreed and step < cfg.steps:
+                return self._checkpoint_and_stop(step)
             if policy.due(step):
                 self.checkpointer.save(step, self.trainer_state())
         self.checkpointer.close()

@@ -25,6 +25,7 @@ from controlplane.env import (
 )
 from runs.slurm_options import SlurmOptionError
 from runs.slurm_options import check as check_slurm_options
+from runs.slurm_options import check_signal_lead as check_slurm_signal_lead
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FRONTEND_DIR = REPO_DIR / "frontend"
@@ -246,6 +247,14 @@ _SLURM_VARIABLES = {
     "partition": "FATHOM_SLURM_PARTITION", "account": "FATHOM_SLURM_ACCOUNT", "qos": "FATHOM_SLURM_QOS",
     "time_limit": "FATHOM_SLURM_TIME_LIMIT", "gpus_per_node": "FATHOM_SLURM_GPUS_PER_NODE",
 }  # fmt: skip
+# How long before a Slurm job's time limit its ranks are asked to checkpoint and stop (sbatch
+# --signal=B:USR1@N): room for the step under way and one save to the run's storage, which for a
+# large model on network storage takes minutes. Slurm checks time limits every 30 s and may send
+# it up to a minute earlier than asked (18 to 31 s measured on 22.05); the job's time limit must
+# be longer (runs/slurm_options.check_signal_lead).
+SLURM_SIGNAL_LEAD_SECONDS = env_int("FATHOM_SLURM_SIGNAL_LEAD", 300)
+if not 1 <= SLURM_SIGNAL_LEAD_SECONDS <= 65535:  # --signal's own bounds
+    raise ConfigurationError(f"FATHOM_SLURM_SIGNAL_LEAD must be from 1 to 65535 seconds; got {SLURM_SIGNAL_LEAD_SECONDS}")
 try:
     SLURM_DEFAULTS = check_slurm_options(
         {
@@ -253,6 +262,7 @@ try:
             "gpus_per_node": env_int("FATHOM_SLURM_GPUS_PER_NODE", 0),
         }
     )
+    check_slurm_signal_lead(SLURM_DEFAULTS, SLURM_SIGNAL_LEAD_SECONDS)
 except SlurmOptionError as exc:
     raise ConfigurationError(f"{_SLURM_VARIABLES[exc.field]} {exc.message}") from None
 # After a cancel, how long a Slurm job's agents get to stop their ranks (their own grace is 30 s)

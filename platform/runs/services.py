@@ -38,6 +38,7 @@ from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run, RunE
 from runs.slurm_options import FIELDS as SLURM_FIELDS
 from runs.slurm_options import SlurmOptionError, SlurmOptions
 from runs.slurm_options import check as check_slurm_values
+from runs.slurm_options import check_signal_lead as check_slurm_signal_lead
 from training.checkpoint_storage import is_committed_at
 from training.config import RECIPES, DataConfig, RunSpec, SpecError
 from training.pretrained import check_folder, resolved_dict
@@ -218,6 +219,7 @@ def check_slurm_options(overrides: dict[str, Any] | None) -> SlurmOptions | None
         raise InvalidInput("slurm", f"must be an object with some of {', '.join(SLURM_FIELDS)}")
     try:
         options = check_slurm_values(overrides or {}, settings.SLURM_DEFAULTS)
+        check_slurm_signal_lead(options, settings.SLURM_SIGNAL_LEAD_SECONDS)
     except SlurmOptionError as exc:
         raise InvalidInput(f"slurm.{exc.field}", exc.message) from None
     if options.partition:

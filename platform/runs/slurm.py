@@ -9,6 +9,8 @@ port), starts the rendezvous store of a multi-node run beside itself, and `srun`
 (SLURM_NODEID). Devices are Slurm's: the job asks for `--gpus-per-node` and the agents see the
 CUDA_VISIBLE_DEVICES Slurm sets. The job carries the run's name and launch number
 (`job_name`), which is how a launch whose worker died before it saved the job id finds it.
+Ahead of the time limit (`--signal`), the script asks the ranks to checkpoint and stop (the run
+folder's stop request) and, once they have, requeues its job if the run is unfinished.
 
 Nothing here records events or changes a run's status: `runs.executors` and `runs.tasks` do.
 """
@@ -36,9 +38,11 @@ SUBMITTING = "submitting"
 SBATCH_TIMEOUT_S = 60.0
 # squeue, sacct, scancel and sinfo answer in milliseconds from a healthy controller.
 QUERY_TIMEOUT_S = 20.0
-# What Slurm sends the batch shell before the time limit (`--signal`), and how long before.
+# What Slurm sends the batch shell before the time limit (`--signal`); how long before is
+# settings.SLURM_SIGNAL_LEAD_SECONDS.
 TIME_LIMIT_SIGNAL = "USR1"
-TIME_LIMIT_WARNING_S = 60
+# The agents' exit status when they stopped for the scheduler: training.agent.node_agent.ExitCode.STOPPED.
+AGENT_STOPPED = 4
 # The variables of the Celery worker's environment a job gets (`--export`): what the agents
 # and ranks read (storage credentials, caches, where Slurm is), never the control plane's own
 # secrets (DATABASE_URL, SECRET_KEY, …), which sbatch would keep in slurmctld's state.
@@ -133,6 +137,7 @@ def batch_script(run: Run, options: SlurmOptions) -> str:
     run_dir = run.run_dir
     need = need_of(run.spec)
     python = shlex.quote(settings.TRAINING_PYTHON)
+    lead = settings.SLURM_SIGNAL_LEAD_SECONDS
     sbatch = {
         "job-name": job_name(run, run.launch_attempts),
         "nodes": str(need.nodes),
@@ -144,7 +149,7 @@ def batch_script(run: Run, options: SlurmOptions) -> str:
         "qos": options.qos,
         "time": options.time_limit,
         "gpus-per-node": str(options.gpus_per_node) if options.gpus_per_node else "",
-        "signal": f"B:{TIME_LIMIT_SIGNAL}@{TIME_LIMIT_WARNING_S}",
+        "signal": f"B:{TIME_LIMIT_SIGNAL}@{settings.SLURM_SIGNAL_LEAD_SECONDS}",
         "output": str(run_dir.slurm_log("%j")),
         "open-mode": "append",
         "chdir": str(settings.REPO_DIR),
@@ -173,23 +178,23 @@ address=$(scontrol show node "$first" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p
 port=$({python} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
 export FATHOM_RDZV="${{address:-$first}}:$port"
 echo "fathom: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous at $FATHOM_RDZV"
-{store}# Slurm signals the time limit {TIME_LIMIT_WARNING_S} s ahead of the kill. The job is requeued (its agents
-# stop, and its next start resumes from the newest checkpoint) only if it committed a newer
-# checkpoint than it started from: a run that cannot checkpoint within its time limit would
-# otherwise be requeued forever. (The ranks do not checkpoint on the signal itself yet.)
+{store}# Slurm signals the time limit {lead} s ahead of the kill (or up to a minute earlier). The ranks
+# are asked to checkpoint at their next step and stop (the stop request, which they look for at
+# every step's end); once the agents have stopped so, the job requeues itself, and its next start
+# resumes from that checkpoint. Only if the run is unfinished (the agents stopped rather than
+# succeeded) and the job committed a newer checkpoint than it started from: a run that cannot
+# checkpoint within its time limit would otherwise be requeued forever.
 committed() {{
     {python} -c 'import sys; from pathlib import Path; from training.checkpoint_storage import latest_committed_step as step; print(step(Path(sys.argv[1]), sys.argv[2]))' \
         {shlex.quote(str(run_dir.path))} {shlex.quote(str(run.spec.get("data", {}).get("storage", "")))}
 }}
+stop_request={shlex.quote(str(run_dir.stop_request))}
+rm -f "$stop_request"  # the request of this job's previous start, if it was requeued
 started_from=$(committed)
 on_time_limit() {{
-    now=$(committed)
-    if [ "$now" -gt "$started_from" ]; then
-        echo "fathom: the time limit is {TIME_LIMIT_WARNING_S} s away; requeueing (checkpoint step $now, started from $started_from)"
-        scontrol requeue "$SLURM_JOB_ID"
-    else
-        echo "fathom: the time limit is {TIME_LIMIT_WARNING_S} s away; no checkpoint since the job started (step $started_from): not requeued"
-    fi
+    echo "fathom: time-limit signal at $(date +%s.%N): asking the ranks to checkpoint and stop"
+    echo "the time limit of Slurm job $SLURM_JOB_ID is {lead} s away" > "$stop_request.tmp"
+    mv "$stop_request.tmp" "$stop_request"
 }}
 trap on_time_limit {TIME_LIMIT_SIGNAL}
 srun --nodes={need.nodes} --ntasks-per-node=1 --kill-on-bad-exit=0 \\
@@ -202,6 +207,15 @@ while true; do
     status=$?
     kill -0 "$step" 2>/dev/null || break
 done
+if [ -e "$stop_request" ] && [ "$status" -eq {AGENT_STOPPED} ]; then
+    now=$(committed)
+    if [ "$now" -gt "$started_from" ]; then
+        echo "fathom: the ranks checkpointed step $now for the time limit (the job started from step $started_from); requeueing"
+        scontrol requeue "$SLURM_JOB_ID" && exit 0
+        echo "fathom: scontrol requeue failed: the run ends with this job"
+    fi
+    echo "fathom: no checkpoint since the job started (step $started_from): not requeued"
+fi
 exit "$status"
 """
     return "\n".join(lines) + body

@@ -64,3 +64,29 @@ def check(values: Mapping[str, Any], base: SlurmOptions | None = None) -> SlurmO
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= MAX_GPUS_PER_NODE:
         raise SlurmOptionError("gpus_per_node", f"must be a whole number from 0 to {MAX_GPUS_PER_NODE}; got {gpus!r}")
     return SlurmOptions(**chosen)
+
+
+def time_limit_seconds(time_limit: str) -> int | None:
+    """A checked `time_limit` in seconds; None when there is none (empty, or "0")."""
+    days, _, clock = time_limit.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # hours:minutes:seconds
+        hours, minutes, seconds = parts
+    else:  # minutes[:seconds]
+        hours, minutes, seconds = 0, parts[0], (parts + [0])[1]
+    total = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    return total or None
+
+
+def check_signal_lead(options: SlurmOptions, lead_seconds: int) -> None:
+    """A time limit must outlast the time-limit signal's lead (FATHOM_SLURM_SIGNAL_LEAD): a job
+    signalled as it starts would only ever checkpoint and stop."""
+    limit = time_limit_seconds(options.time_limit) if options.time_limit else None
+    if limit is not None and limit <= lead_seconds:
+        raise SlurmOptionError(
+            "time_limit",
+            f"must be longer than the {lead_seconds} s ahead of it at which the job is told to checkpoint and "
+            f"stop (FATHOM_SLURM_SIGNAL_LEAD); got {options.time_limit!r} ({limit} s)",
+        )

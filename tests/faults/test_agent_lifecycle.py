@@ -84,3 +84,38 @@ def test_a_rank_that_keeps_failing_fails_the_run_after_the_restart_budget(agents
     final = run.events[-1]
     assert final["kind"] == "failed"
     assert "rank 0 killed by signal" in final["data"]["reason"]
+
+
+@pytest.mark.parametrize("async_checkpoint", [False, True], ids=["synchronous", "background"])
+def test_under_a_scheduler_a_stop_request_checkpoints_the_step_the_ranks_agree_on_and_the_next_start_resumes_there(
+    agents: Agents, tmp_path: Path, async_checkpoint: bool
+) -> None:
+    # What the Slurm batch script does on the time-limit signal; the only periodic checkpoint is
+    # the last step's, so a checkpoint before it is the request's.
+    spec = training_spec(steps=60, checkpoint_interval=60, async_checkpoint=async_checkpoint)
+    run_dir = tmp_path / "run"
+    folder = RunDir(run_dir)
+    first = agents.start(spec, run_dir, extra=("--sigterm", "stop"))
+    wait_for(lambda: len(first.of_kind("metrics")) >= 5, 120, "step 5")
+    seen = max(m["step"] for m in first.of_kind("metrics"))
+    folder.stop_request.write_text("the time limit is near\n")
+    assert first.wait(timeout=60) == ExitCode.STOPPED, first.tail()
+
+    # Rank 0 reports a step's metrics only after the step's end agreed on the request, so the
+    # request was not there yet at the end of step `seen`: the ranks stop at a later one.
+    (asked,) = first.of_kind("stop_requested")
+    step = asked["step"]
+    assert seen < step < 60 and asked["reason"] == "the time limit is near"
+    assert [c["step"] for c in first.of_kind("checkpoint")] == [step] and folder.latest_committed_step() == step
+    assert max(first.losses()) == step  # no rank went past it
+    assert first.events[-1]["kind"] == "stopped"
+    assert first.events[-1]["data"] == {"step": step, "reason": f"checkpointed step {step} as the scheduler asked: the time limit is near"}
+
+    folder.stop_request.unlink()  # the job's next start removes it
+    second = agents.run(spec, run_dir, extra=("--sigterm", "stop"))
+    assert second.process.returncode == ExitCode.SUCCEEDED, second.tail()
+    assert [r["step"] for r in second.of_kind("resumed")] == [step]
+    steps = [m["step"] for m in second.of_kind("metrics")]  # both starts' events: one spool per node
+    assert steps == list(range(1, 61))  # every step ran once
+    uninterrupted = agents.run(spec, tmp_path / "uninterrupted")
+    assert second.losses() == uninterrupted.losses()  # bit for bit

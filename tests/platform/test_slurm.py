@@ -18,7 +18,8 @@ from rest_framework.authtoken.models import Token
 from runs.models import Run
 from runs.tasks import watch_slurm_jobs
 from tests.platform.test_run_lifecycle import STORY, api, follow, wait_until
-from training.config import RECIPES
+from tools.check_parity import launch, step_values
+from training.config import RECIPES, RunSpec
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +114,7 @@ def scontrol(cluster, *args: str) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_job_warned_of_its_time_limit_requeues_itself_and_the_run_resumes_on_the_same_loss_curve(
+def test_a_job_slurm_requeues_resumes_the_run_from_its_checkpoint_on_the_same_loss_curve(
     slurm, alice, live_web, celery_worker_with_beat
 ):
     client = api(live_web, alice)
@@ -130,10 +131,9 @@ def test_a_job_warned_of_its_time_limit_requeues_itself_and_the_run_resumes_on_t
     )  # fmt: skip
     job_id = client.get(f"/api/runs/{run_id}/").json()["slurm_job_id"]
 
-    # What Slurm sends the batch shell before the time limit (--signal=B:USR1@60): the job has a
-    # newer checkpoint than it started from, so it requeues itself (scontrol requeue: SIGTERM to
-    # the agents, which stop, and back to the queue, as after a preemption).
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, env=dict(os.environ, **slurm.env()))
+    # As a preemption or a node failure that Slurm reports does: SIGTERM to the job's processes
+    # (the agents stop), and back to the queue.
+    scontrol(slurm, "requeue", job_id)
     requeued = f"requeued by Slurm: Slurm job {job_id} pending"
     wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status_reason"].startswith(requeued), 60, "the requeue")
     assert client.get(f"/api/runs/{run_id}/").json()["status"] == "restarting"
@@ -142,7 +142,6 @@ def test_a_job_warned_of_its_time_limit_requeues_itself_and_the_run_resumes_on_t
 
     run = Run.objects.get(pk=run_id)
     assert run.slurm_job_id == job_id and run.status_reason == ""
-    assert "; requeueing (checkpoint step 12, started from 0)" in run.run_dir.slurm_log(job_id).read_text()
     kinds = list(run.events.values_list("kind", flat=True))
     assert kinds.count("agent_started") == 2 and "stopped" in kinds and "cancelled" not in kinds
     resumed = run.events.filter(kind="resumed").values_list("data__step", flat=True).get()
@@ -153,3 +152,71 @@ def test_a_job_warned_of_its_time_limit_requeues_itself_and_the_run_resumes_on_t
     repeated = {step: seen for step, seen in losses.items() if len(seen) > 1}
     assert resumed == 12 and {13, 14, 15} <= set(repeated) and min(repeated) == 13
     assert all(seen[0] == seen[1] for seen in repeated.values()), repeated  # bitwise: the same curve
+
+
+@pytest.fixture
+def signal_lead_of_5_s(monkeypatch):
+    """The time-limit signal 5 s ahead (set before the web process and the Celery worker start):
+    the default lead (300 s) is longer than a 1-minute time limit. Slurm checks time limits every
+    30 s and signals once about the lead + 30 s are left: some 25 to 55 s into a job, which
+    leaves a job of this test 5 to 35 s of training after its start (~20 s on this 2-core host);
+    the kill comes at the first check past the limit, at least 30 s after the signal."""
+    monkeypatch.setenv("FATHOM_SLURM_SIGNAL_LEAD", "5")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_at_its_time_limit_checkpoints_on_the_signal_and_its_requeued_job_finishes_on_the_same_loss_curve(
+    slurm, signal_lead_of_5_s, alice, live_web, celery_worker_with_beat, tmp_path
+):
+    client = api(live_web, alice)
+    # 40 to 60 s of training on this 2-core host (0.1 to 0.15 s a step), more than one job of a
+    # 1-minute time limit holds. The only periodic checkpoint is the last step's, so any other
+    # was the signal's.
+    steps = 400
+    spec = {"layout": {"dp": 2}, "train": {"steps": steps, "checkpoint_interval": steps, "global_batch": 4}}
+    created = client.post("/api/runs/", json={"name": "time-limited", "spec": spec, "slurm": {"time_limit": "1"}})
+    assert created.status_code == 201, created.text
+    run_id = created.json()["id"]
+
+    def finished_starting_requeued_jobs_now() -> bool:
+        run = client.get(f"/api/runs/{run_id}/").json()
+        if run["status"] == "restarting" and run["status_reason"].startswith("requeued by Slurm"):
+            # Slurm holds a requeued job 2 minutes before it may start again.
+            subprocess.run(
+                ["scontrol", "update", f"JobId={run['slurm_job_id']}", "StartTime=now"],
+                capture_output=True, env=dict(os.environ, **slurm.env()),
+            )  # fmt: skip
+        return run["status"] in ("succeeded", "failed", "cancelled")
+
+    wait_until(finished_starting_requeued_jobs_now, 900, "the run to finish")
+    run = Run.objects.get(pk=run_id)
+    assert (run.status, run.step) == ("succeeded", steps), run.status_reason
+    job_id = run.slurm_job_id
+    events = list(run.events.order_by("seq").values("kind", "time", "data"))
+
+    # Each job but the last was signalled, its ranks checkpointed the step they were at, and its
+    # agent stopped; the job then requeued itself and the next one resumed from that very step.
+    stops = [e["data"]["step"] for e in events if e["kind"] == "stop_requested"]
+    assert stops and stops == sorted(stops) and stops[-1] < steps
+    assert [e["data"]["step"] for e in events if e["kind"] == "checkpoint"] == [*stops, steps]
+    assert [e["data"]["step"] for e in events if e["kind"] == "resumed"] == stops
+    reason = f"the time limit of Slurm job {job_id} is 5 s away"
+    assert [e["data"]["reason"] for e in events if e["kind"] == "stop_requested"] == [reason] * len(stops)
+    assert [e["data"]["reason"] for e in events if e["kind"] == "stopped"] == [
+        f"checkpointed step {step} as the scheduler asked: {reason}" for step in stops
+    ]
+    assert [e["kind"] for e in events].count("agent_started") == len(stops) + 1
+    job_log = run.run_dir.slurm_log(job_id).read_text()
+    assert re.findall(r"checkpointed step (\d+) for the time limit .*; requeueing", job_log) == [str(s) for s in stops]
+    # The step checkpointed is the one that ended after the signal (the request is written after
+    # the log line, and rank 0 reports a step's metrics after agreeing on the request).
+    signalled = [float(t) for t in re.findall(r"time-limit signal at (\S+):", job_log)]
+    assert len(signalled) == len(stops)
+    step_ended = {e["data"]["step"]: e["time"].timestamp() for e in events if e["kind"] == "metrics"}
+    assert all(step_ended[step] > at for step, at in zip(stops, signalled, strict=True))
+
+    # Every step ran once, and the curve is an uninterrupted run's, bit for bit.
+    losses = [(e["data"]["step"], e["data"]["loss"]) for e in events if e["kind"] == "metrics"]
+    assert [step for step, _ in losses] == list(range(1, steps + 1))
+    reference = launch(RunSpec.from_json(run.run_dir.spec_file.read_text()), tmp_path / "uninterrupted", 600)
+    assert dict(losses) == step_values(reference)

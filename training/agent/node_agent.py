@@ -25,7 +25,10 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
 * SIGTERM (or the run folder's cancel marker) cancels: ranks get SIGTERM, the newest committed
   checkpoint stays. Under a scheduler that ends jobs itself (`--sigterm stop`: Slurm's scancel,
   requeue, preemption, time limit), only the marker cancels: SIGTERM without it stops the node
-  the same way but reports `stopped`, not `cancelled`, since the job may come back.
+  the same way but reports `stopped`, not `cancelled`, since the job may come back. There the
+  scheduler may also ask, ahead of its time limit, for a checkpoint first (`RunDir.stop_request`,
+  which the ranks look for at every step's end): the ranks save the step they agree on, exit
+  with SAVED_AND_STOPPED_EXIT once it is committed, and the agent reports `stopped` with it.
 
 The exit status says the outcome (`ExitCode`).
 """
@@ -218,6 +221,8 @@ class NodeAgent(SimpleElasticAgent):
                 heartbeat_interval=self.config.heartbeat_interval,
                 events_file=self.config.node_dir.events_file,
                 error_file=self.config.node_dir.error_file(worker.global_rank),
+                # Only a scheduler's job asks for a checkpoint before it ends (see the module's docstring).
+                stop_request_file=self.config.folder.stop_request if self.config.sigterm_stops else None,
             )
             env = {
                 **_process_env(),
@@ -312,6 +317,17 @@ class NodeAgent(SimpleElasticAgent):
             state = self._watchdog.check(self._ranks)
             if self._standbys_due and not state.failures and self._progressed():
                 self._replenish_standbys()
+            if state.saved_and_stopped:
+                step = self._latest_committed_step()
+                try:
+                    asked = self.config.folder.stop_request.read_text(errors="replace").strip()
+                except OSError:  # the next job's start removed it already
+                    asked = "no reason given"
+                return Outcome(
+                    code=ExitCode.STOPPED,
+                    kind="stopped",
+                    data={"step": step, "reason": f"checkpointed step {step} as the scheduler asked: {asked}"},
+                )
             if state.succeeded:
                 self._exit_barrier()
                 return Outcome(

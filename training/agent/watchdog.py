@@ -16,6 +16,7 @@ from typing import Literal
 
 from training.agent.rank_processes import RankProcess
 from training.heartbeat import Beat, read_beat
+from training.rank_environment import SAVED_AND_STOPPED_EXIT
 
 FailureReason = Literal["exited", "killed by signal", "hung"]
 
@@ -68,6 +69,9 @@ class RankFailure:
 class GroupState:
     failures: list[RankFailure]
     succeeded: bool  # every rank exited with status 0
+    # Every rank checkpointed and exited because the scheduler asked (SAVED_AND_STOPPED_EXIT);
+    # one that exited so while the others still finish is no failure.
+    saved_and_stopped: bool = False
 
 
 class Watchdog:
@@ -82,7 +86,7 @@ class Watchdog:
             code = rank.poll()
             beat = read_beat(rank.heartbeat_file)
             if code is not None:
-                if code != 0:
+                if code not in (0, SAVED_AND_STOPPED_EXIT):
                     failures.append(self._failure(rank, beat, now, code=code))
                 continue
             if beat is None:
@@ -96,8 +100,10 @@ class Watchdog:
                 }.get(beat.phase, self._config.heartbeat_timeout)
             if silent_for > limit:
                 failures.append(self._failure(rank, beat, now, silent_for=silent_for))
-        succeeded = not failures and all(r.poll() == 0 for r in ranks)
-        return GroupState(failures=failures, succeeded=succeeded)
+        codes = [r.poll() for r in ranks]
+        succeeded = not failures and all(c == 0 for c in codes)
+        stopped = not failures and SAVED_AND_STOPPED_EXIT in codes and all(c is not None for c in codes)
+        return GroupState(failures=failures, succeeded=succeeded, saved_and_stopped=stopped)
 
     def _failure(
         self,
