@@ -65,7 +65,7 @@ def test_a_hosts_supervisor_folder_reaches_our_copy_which_sync_and_the_log_api_r
     write(on_host, "ready")
     append_event(on_host, ReplicaEvent(kind="replica_ready", deployment="shipped", replica=0, at=time.time(), port=9))
     # More than two pieces (256 KiB each), and bytes that are not text.
-    on_host.replica_log(0).write_bytes(b"Application startup complete.\n" + bytes(range(256)) * 2100)
+    on_host.replica_log(0).write_bytes(bytes(range(256)) * 2100 + b"\nApplication startup complete.\n")
     on_host.supervisor_log.write_text("supervisor started\n")
     ship(url, deployment, on_host)
     for name in ("state.json", "events.jsonl", "supervisor.log", "logs/replica-0.log"):
@@ -79,7 +79,7 @@ def test_a_hosts_supervisor_folder_reaches_our_copy_which_sync_and_the_log_api_r
     assert Deployment.objects.get(pk=deployment.pk).status == Deployment.Status.READY
     assert list(deployment.events.filter(kind="replica_ready").values_list("data__port", flat=True)) == [9]
     lines = alice_api.get(f"/api/deployments/{deployment.pk}/logs/", {"replica": 0, "lines": 2000}).json()["lines"]
-    assert lines[0] == "Application startup complete."
+    assert lines[-1] == "Application startup complete."
 
     # The supervisor starts again there and stops: the new state replaces ours, the logs and
     # events get only what they gained.
