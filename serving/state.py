@@ -8,8 +8,14 @@
         logs/replica-<N>.log    vLLM's output, per replica, across restarts
         tmp/, vllm-cache/       the replicas' temporary files and vLLM's cache (serving.vllm)
         metrics.previous.json   the control plane: the counters of its last metrics scrape
+        ship-probe              a supervisor that ships its folder (serving.shipper): its token
+        shipped.json            the control plane's copy of a shipped folder: what it holds of each file
         hosts/<HOST>/           a deployment placed on hosts: one supervisor per host, each with
                                 its own deployment.json … logs/ in this layout
+
+A supervisor on a host writes this layout in the host's own data folder and ships it
+(`serving.shipper`): the control plane keeps a copy under hosts/<HOST>/, which is what every
+reader here reads.
 
 A deployment's replicas spread over several hosts run under one supervisor per host, each writing
 its own folder under hosts/ (its replicas keep the deployment's numbering); `read_state` and
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -77,9 +84,24 @@ class DeploymentDir:
         return DeploymentDir(self.hosts_dir / host)
 
     @property
+    def probe_file(self) -> Path:
+        """The shipper's token: a control plane that reads it in its own copy shares this folder."""
+        return self.path / "ship-probe"
+
+    @property
+    def shipped_file(self) -> Path:
+        """The control plane's ledger of a shipped folder: bytes held of each file it appends."""
+        return self.path / "shipped.json"
+
+    @property
     def metrics_previous_file(self) -> Path:
         """The replicas' token counters at the control plane's last scrape (for tokens/s)."""
         return self.path / "metrics.previous.json"
+
+
+# The files of a supervisor's folder its shipper sends: the state whole, the others appended.
+SHIPPED_STATE = "state.json"
+SHIPPED_APPENDED = re.compile(r"events\.jsonl|supervisor\.log|logs/replica-\d{1,2}\.log")
 
 
 @dataclass(frozen=True, kw_only=True)

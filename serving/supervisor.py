@@ -46,6 +46,7 @@ import httpx
 
 from serving import export_store
 from serving.metrics import parse_prometheus
+from serving.shipper import shipper_for
 from serving.state import (
     DeploymentDir,
     DeploymentState,
@@ -117,6 +118,12 @@ class DeploymentConfig:
     # On stop: how long to wait for in-flight requests, then how long SIGTERM gets before SIGKILL.
     drain_timeout_s: float = 30.0
     stop_grace_s: float = 15.0
+    # A supervisor on a host ships its folder to the control plane (serving.shipper): the
+    # endpoint, the deployment's supervisor token, and this host's name. Empty: it ships nothing
+    # (on the control plane's machine the folder is already the control plane's).
+    ship_url: str = ""
+    ship_token: str = ""
+    ship_host: str = ""
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
@@ -540,13 +547,29 @@ def export_cache_root(config: DeploymentConfig) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run one deployment's vLLM replicas until SIGTERM.")
     parser.add_argument("--config", required=True, help="the deployment's config file (DeploymentConfig as JSON)")
+    parser.add_argument(
+        "--state-dir", default="", help="this supervisor's folder, in place of the config's (its host's own folder)"
+    )
     args = parser.parse_args(argv)
     config = DeploymentConfig.from_dict(json.loads(Path(args.config).read_text()))
+    if args.state_dir:
+        config = dataclasses.replace(config, state_dir=args.state_dir)
+    # Started before the export's download, so a failed download's line reaches the control plane.
+    shipper = shipper_for(Path(config.state_dir), config.ship_url, config.ship_token, config.ship_host)
     try:
-        served = export_store.local_copy(config.checkpoint, export_cache_root(config))
-    except export_store.ExportStoreError as exc:
-        raise SystemExit(f"fathom: deployment {config.name}: {exc}") from None
-    asyncio.run(_serve(dataclasses.replace(config, checkpoint=served)))
+        try:
+            served = export_store.local_copy(config.checkpoint, export_cache_root(config))
+        except export_store.ExportStoreError as exc:
+            print(f"fathom: deployment {config.name}: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        asyncio.run(_serve(dataclasses.replace(config, checkpoint=served)))
+    finally:
+        if shipper is not None:
+            # The stopped replicas' state and the last log lines; a control plane away this long
+            # finds the deployment's hosts report no supervisor instead.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            shipper.close(timeout=30.0)
 
 
 if __name__ == "__main__":

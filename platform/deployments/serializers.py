@@ -89,3 +89,13 @@ class NewApiKeySerializer(ApiKeySerializer):
 
     class Meta(ApiKeySerializer.Meta):
         fields = [*ApiKeySerializer.Meta.fields, "key"]
+
+
+class ShippedPieceSerializer(serializers.Serializer):
+    """A piece of a file of a host's supervisor folder, from its shipper (serving.shipper)."""
+
+    host = serializers.CharField(max_length=255, help_text="The shipping host's name.")
+    probe = serializers.CharField(max_length=64, help_text="The token the shipper wrote into its folder.")
+    file = serializers.CharField(max_length=64, help_text="state.json, events.jsonl, supervisor.log or logs/replica-<N>.log.")
+    offset = serializers.IntegerField(min_value=0, help_text="Where in the host's file `chunk` starts (0 for state.json).")
+    chunk = serializers.CharField(allow_blank=True, max_length=2 * 1024 * 1024, help_text="Base64 bytes, at most 1 MiB.")

@@ -7,6 +7,7 @@ into the deployment's rows and events.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,13 +20,13 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import services
+from deployments import services, shipped
 from deployments.models import Deployment, Replica
 from deployments.options import stored_options
 from hosts import capacity, scheduling
 from hosts.models import Host
 from runs import exports
-from runs.launcher import send_to_host
+from runs.launcher import HOST_FOLDER, send_to_host
 from serving import metrics as replica_metrics
 from serving.state import DeploymentDir, read_events, read_state, supervisor_dirs
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
@@ -99,11 +100,21 @@ def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
             {"host": g.host.name, "address": g.host.address, "devices": g.devices, "replicas": g.replicas}
             for g, _ in configs
         ]})  # fmt: skip
+    # Each host keeps its supervisor's folder under its own data folder (where HOST_FOLDER
+    # stands) and gets the config with the start; the supervisor ships state, events and logs
+    # to our copy, DEPLOY_DIR/hosts/<host>/ (deployments.shipped), which every reader reads.
+    host_dir = DeploymentDir(Path(HOST_FOLDER))
     for group, config in configs:
+        relative = DeploymentDir(deployment.folder).on_host(group.host.name).path.relative_to(settings.DATA_DIR)
+        shipping = dataclasses.replace(
+            config, state_dir=HOST_FOLDER, ship_url=f"{settings.PUBLIC_URL}/api/deployments/{deployment.pk}/shipped/",
+            ship_token=shipped.supervisor_token(deployment.pk), ship_host=group.host.name,
+        )  # fmt: skip
         send_to_host(group.host, "start_process", {
-            "key": supervisor_key(deployment), "module": "serving.supervisor", "args": ["--config", str(config.write())],
-            "log": str(DeploymentDir(Path(config.state_dir)).supervisor_log), "devices": group.devices,
-            "device_kind": kind,
+            "key": supervisor_key(deployment), "module": "serving.supervisor",
+            "args": ["--config", str(host_dir.config_file), "--state-dir", str(host_dir.path)],
+            "log": str(host_dir.supervisor_log), "devices": group.devices, "device_kind": kind,
+            "folder": str(relative), "files": {host_dir.config_file.name: json.dumps(shipping.to_dict(), indent=2)},
         })  # fmt: skip
 
 
@@ -111,9 +122,8 @@ def stop(deployment: Deployment, timeout: float = 120.0) -> None:
     """Asks the supervisors to drain and stop their replicas, and waits for them to exit."""
     hosts = placed_hosts(deployment)
     if hosts:
-        # Their pids are other machines': each host worker signals its own (a lost host runs nothing).
-        if read_state(deployment.folder) is None:
-            return
+        # Their pids are other machines': each host worker signals its own (a lost host runs
+        # nothing). Sent even before any state came: a supervisor may still be fetching the export.
         for host in hosts:
             if host.status != Host.Status.LOST:
                 send_to_host(host, "stop_process", {"key": supervisor_key(deployment)})

@@ -2,7 +2,7 @@ from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
 from deployments.openai_endpoint import playground_chat
-from deployments.views import ApiKeyViewSet, DeploymentViewSet
+from deployments.views import ApiKeyViewSet, DeploymentViewSet, ShippedFolderView
 
 router = DefaultRouter(trailing_slash=True)
 router.register("deployments", DeploymentViewSet, basename="deployment")
@@ -10,5 +10,6 @@ router.register(r"deployments/(?P<deployment_id>[0-9]+)/keys", ApiKeyViewSet, ba
 
 urlpatterns = [
     path("deployments/<int:deployment_id>/chat/", playground_chat, name="deployment-chat"),
+    path("deployments/<int:deployment_id>/shipped/", ShippedFolderView.as_view(), name="deployment-shipped"),
     path("", include(router.urls)),
 ]

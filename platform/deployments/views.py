@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 from django.db.models import QuerySet
@@ -7,16 +9,20 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.generics import get_object_or_404
+from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from deployments import services
+from controlplane.exceptions import InvalidInput
+from deployments import services, shipped
 from deployments.models import ApiKey, Deployment
 from deployments.serializers import (
     ApiKeySerializer,
     DeploymentEventSerializer,
     DeploymentSerializer,
     NewApiKeySerializer,
+    ShippedPieceSerializer,
 )
 from runs.views import events_after_response, owned
 
@@ -133,3 +139,39 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         The key stays listed with its record of use."""
         key = services.do_revoke_key(self.get_object())
         return Response(ApiKeySerializer(key).data)
+
+
+class ShippedFolderView(APIView):
+    """POST: a piece of a host's supervisor folder (the deployment's supervisor token), kept in
+    our copy that sync, the routers and the log API read (`serving.shipper` says the protocol)."""
+
+    permission_classes = [AllowAny]
+    authentication_classes: list[Any] = []  # the supervisor's bearer token, checked in post(); no session/CSRF
+
+    @extend_schema(
+        request=ShippedPieceSerializer,
+        responses={
+            200: inline_serializer(
+                "ShippedPieceAck",
+                {"offset": serializers.IntegerField(required=False), "shared": serializers.BooleanField(required=False)},
+            ),
+            401: inline_serializer("ShippedPieceTokenRequired", {"detail": serializers.CharField()}),
+        },
+    )
+    def post(self, request: Request, deployment_id: int) -> Response:
+        deployment = shipped.deployment_of_token(deployment_id, request.headers.get("Authorization", ""))
+        if deployment is None:
+            return Response({"detail": "A valid supervisor token is required."}, status=status.HTTP_401_UNAUTHORIZED)
+        body = ShippedPieceSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        piece = body.validated_data
+        copy = shipped.copy_of(deployment, piece["host"])
+        if shipped.shared_with_supervisor(copy, piece["probe"]):
+            return Response({"shared": True})
+        try:
+            data = base64.b64decode(piece["chunk"], validate=True)
+        except binascii.Error:
+            raise InvalidInput("chunk", "must be base64") from None
+        if len(data) > shipped.MAX_PIECE_BYTES:
+            raise InvalidInput("chunk", f"must be at most {shipped.MAX_PIECE_BYTES} bytes; got {len(data)}")
+        return Response({"offset": shipped.receive(copy, piece["file"], piece["offset"], data)})

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 from collections import deque
+from pathlib import Path
 
 from controlplane.exceptions import InvalidInput
 from runs.models import Run
@@ -43,15 +44,21 @@ def append_shipped(run: Run, host: str, name: str, offset: int, data: bytes) -> 
         raise InvalidInput("file", f"must be a log of the run folder (rank<R>.log, agent-node<K>.log, …); got {name!r}")
     run_dir = run.run_dir
     run_dir.logs_dir.mkdir(parents=True, exist_ok=True)
-    key = f"{host}/{name}"
-    with open(run_dir.shipped_logs_file, "a+") as ledger:
+    return append_past(run_dir.shipped_logs_file, run_dir.logs_dir / name, f"{host}/{name}", offset, data)
+
+
+def append_past(ledger_file: Path, copy_file: Path, key: str, offset: int, data: bytes) -> int:
+    """Appends to `copy_file` what it lacks of the file `key` names on a host, given `data` read
+    there from `offset`; returns where our copy of that file now ends. `ledger_file` counts the
+    bytes held per key, under a lock (a run's logs, a deployment's shipped folder)."""
+    with open(ledger_file, "a+") as ledger:
         fcntl.flock(ledger, fcntl.LOCK_EX)
         ledger.seek(0)
         held: dict[str, int] = json.loads(ledger.read() or "{}")
         end = held.get(key, 0)
         if offset > end or offset + len(data) <= end:
             return end
-        with open(run_dir.logs_dir / name, "ab") as copy:
+        with open(copy_file, "ab") as copy:
             copy.write(data[end - offset :])
             copy.flush()
             os.fsync(copy.fileno())

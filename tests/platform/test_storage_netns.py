@@ -2,10 +2,10 @@
 test's bridge), each host with a FATHOM_DATA_DIR of its own: the dataset, the checkpoints and
 the export live on S3, and each host keeps its own checked copies in its own cache.
 
-A run needs nothing of the control plane's folder: in the last test each host worker (and all
-it starts) runs in a mount namespace where that folder is an empty tmpfs. A deployment still
-takes its folder from the control plane (supervisor config, state and events files, replica
-logs), so the deployment test shares the machine's filesystem; docs/ARCHITECTURE.md says so.
+Neither a run nor a deployment needs anything of the control plane's folder: each host worker
+(and all it starts: agents, ranks, supervisors, vLLM) runs in a mount namespace where that folder
+is an empty tmpfs. A supervisor's config comes with its start task and its state, events and logs
+go to the control plane over HTTP (serving.shipper).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import s3fs
 from django.conf import settings
 
+from deployments.models import Deployment
 from runs.models import Checkpoint, Dataset, Run
 from tests.platform.test_hosts_netns import TRAIN, Cluster, running_cluster, wait_finished
 from tests.platform.test_run_lifecycle import wait_until
@@ -47,14 +48,6 @@ def s3_on_bridge(tmp_path: Path, monkeypatch) -> Iterator[tuple[netns.Network, S
             yield network, server
         finally:
             server.stop()
-
-
-@pytest.fixture
-def s3_cluster(s3_on_bridge, alice, transactional_db, tmp_path, monkeypatch) -> Iterator[tuple[Cluster, S3Server]]:
-    network, server = s3_on_bridge
-    own = {index: {"FATHOM_DATA_DIR": str(tmp_path / f"host{index}-data")} for index in range(2)}
-    with running_cluster(network, alice, tmp_path, monkeypatch, host_env=lambda index: own[index]) as cluster:
-        yield cluster, server
 
 
 @pytest.fixture
@@ -88,9 +81,12 @@ def host_cache(tmp_path: Path, index: int) -> Path:
 @pytest.mark.vllm
 @pytest.mark.django_db(transaction=True)
 def test_a_run_on_two_hosts_trains_checkpoints_and_exports_through_s3_and_a_host_serves_the_export(
-    s3_cluster, tmp_path
+    s3_cluster_without_our_folder, tmp_path
 ) -> None:
-    cluster, server = s3_cluster
+    # Neither the run's hosts nor the serving host see our data folder.
+    cluster, server = s3_cluster_without_our_folder
+    for host in cluster.hosts:
+        assert host.process is not None and not netns.sees(host.process.pid, settings.DEPLOYMENTS_DIR)
     corpus = demo_corpus.write(tmp_path / "corpus.txt", n_documents=2000).read_bytes()
     sha = hashlib.sha256(corpus).hexdigest()
     uploaded = cluster.api.post("/api/datasets/", files={"file": ("corpus.txt", corpus)})
@@ -147,11 +143,40 @@ def test_a_run_on_two_hosts_trains_checkpoints_and_exports_through_s3_and_a_host
         )  # fmt: skip
         assert chat.status_code == 200, chat.text
         assert chat.json()["choices"][0]["message"]["content"] is not None
+        # The replica is ready on the deployment's page and API, with its host's address.
+        (replica,) = cluster.api.get(f"/api/deployments/{deployment_id}/").json()["replica_set"]
+        assert replica["status"] == "ready", replica
+        assert replica["url"].startswith(f"http://{placed['address']}:"), replica
+        # The supervisor's folder is its host's: the config came with the start task, and state,
+        # events and logs are written there; ours is the copy its shipper sent.
+        relative = (Deployment.objects.get(pk=deployment_id).folder / "hosts" / placed["host"]).relative_to(settings.DATA_DIR)
+        own = host_data(tmp_path, serving) / relative
+        ours = settings.DATA_DIR / relative
+        assert json.loads((own / "deployment.json").read_text())["name"] == "from-s3"
+        assert not (ours / "deployment.json").exists()
+        assert (own / "events.jsonl").is_file() and (own / "logs" / "replica-0.log").is_file()
+        assert '"replica_ready"' in (ours / "events.jsonl").read_text()
+        # vLLM's log reaches the log API (the copy of the host's file).
+        wait_until(
+            lambda: any(
+                "Application startup complete" in line
+                for line in cluster.api.get(f"/api/deployments/{deployment_id}/logs/", params={"replica": 0, "lines": 2000}).json()["lines"]
+            ),
+            60, "the replica's log through the API",
+        )  # fmt: skip
     finally:
         cluster.api.post(f"/api/deployments/{deployment_id}/stop/")
         wait_until(
             lambda: cluster.api.get(f"/api/deployments/{deployment_id}/").json()["status"] == "stopped", 180, "the stop"
         )
+    # Stopped by a stop task to its host: the replica's stop reached us, and the host runs nothing.
+    assert f"stopped deployment-{deployment_id} (pid" in cluster.hosts[serving].log.read_text()
+    stopped = cluster.api.get(f"/api/deployments/{deployment_id}/").json()
+    assert [r["status"] for r in stopped["replica_set"]] == ["stopped"], stopped
+    wait_until(lambda: '"replica_stopped"' in (ours / "events.jsonl").read_text(), 60, "the replica_stopped event")
+    wait_until(
+        lambda: all(not h["running"] for h in cluster.api.get("/api/hosts/").json()["results"]), 60, "both hosts idle"
+    )
     assert Run.objects.get(pk=run.pk).status == "succeeded"
 
 
