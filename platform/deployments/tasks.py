@@ -8,6 +8,8 @@ from controlplane.processes import is_alive
 from deployments import services, supervision
 from deployments.models import Deployment
 from hosts.models import Host
+from runs import quantized
+from runs.models import QuantizedExport
 from serving.state import DeploymentDir
 
 # Deployments whose supervisor should be running.
@@ -16,7 +18,10 @@ SUPERVISED = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.St
 
 @shared_task
 def start_deployment(deployment_id: int) -> str:
-    deployment = Deployment.objects.get(pk=deployment_id)
+    deployment = Deployment.objects.select_related("quantized_export").get(pk=deployment_id)
+    if deployment.quantized_export is not None and not quantized.is_ready(deployment.quantized_export):
+        # quantized_export_finished starts it, or fails it with the quantizer's reason.
+        return "waiting for its quantized export"
     if not services.do_set_status(
         deployment, Deployment.Status.STARTING, only_from=[Deployment.Status.PENDING], event=None
     ):
@@ -34,6 +39,29 @@ def start_deployment(deployment_id: int) -> str:
     Deployment.objects.filter(pk=deployment_id).update(supervisor_pid=pid)
     services.do_record(deployment, "supervisor_started", {"pid": pid})
     return f"supervisor {pid}"
+
+
+@shared_task
+def quantized_export_finished(quantized_id: int) -> int:
+    """Starts the deployments that waited for a quantized export now ready, or fails them with
+    the quantizer's reason; returns how many it moved."""
+    row = QuantizedExport.objects.get(pk=quantized_id)
+    waiting = Deployment.objects.filter(quantized_export=row, status=Deployment.Status.PENDING)
+    if quantized.is_ready(row):
+        for deployment in waiting:
+            services.do_record(deployment, "quantized", {"quantized_export": row.pk, "bytes": row.size_bytes})
+            start_deployment.delay(deployment.pk)
+        return len(waiting)
+    if row.status != QuantizedExport.Status.FAILED:
+        return 0  # queued again by a later deploy since: that attempt's end is what counts
+    reason = f"its {row.scheme} export could not be made: {row.reason}"
+    return sum(
+        services.do_set_status(
+            deployment, Deployment.Status.FAILED, only_from=[Deployment.Status.PENDING], reason=reason,
+            event="failed", data={"reason": reason},
+        )  # fmt: skip
+        for deployment in waiting
+    )
 
 
 @shared_task

@@ -7,7 +7,7 @@ from rest_framework import serializers
 
 from controlplane.api import ModelSerializer, Text
 from runs import access, compare, organise, services
-from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, Run, RunEvent
+from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, QuantizedExport, Run, RunEvent
 from training.config import RECIPES
 
 
@@ -240,10 +240,24 @@ class RunEventSerializer(ModelSerializer):
         fields = ["seq", "source", "source_seq", "kind", "time", "data"]
 
 
+class QuantizedExportSerializer(ModelSerializer):
+    """An int8/int4 export of the checkpoint: its size beside the float export's, and, once
+    measured, its top-1 next-token agreement with the float export."""
+
+    class Meta:
+        model = QuantizedExport
+        fields = [
+            "id", "scheme", "status", "reason", "path", "size_bytes", "source_size_bytes", "samples", "top1",
+            "top1_positions", "created_at", "finished_at",
+        ]  # fmt: skip
+
+
 class CheckpointSerializer(ModelSerializer):
+    quantized_exports = QuantizedExportSerializer(many=True, read_only=True)
+
     class Meta:
         model = Checkpoint
-        fields = ["id", "run", "step", "path", "export_path", "eval_loss", "created_at", "pruned_at"]
+        fields = ["id", "run", "step", "path", "export_path", "eval_loss", "created_at", "pruned_at", "quantized_exports"]
 
 
 class IngestEventSerializer(serializers.Serializer):
