@@ -119,7 +119,9 @@ def make(quantized: QuantizedExport, on_stage: Callable[[dict[str, Any]], None])
     ]  # fmt: skip
     stages: list[dict[str, Any]] = []
     with subprocess.Popen(
-        command, cwd=settings.REPO_DIR, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, cwd=settings.REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Everything it loads is the local export: never wait on the Hugging Face Hub.
+        env={**python_env(), "HF_HUB_OFFLINE": "1"},
     ) as process:
         assert process.stdout is not None and process.stderr is not None
         # Stage lines are few and short; stderr (llmcompressor's progress bars) is read after the
