@@ -5,10 +5,11 @@ from __future__ import annotations
 from celery import shared_task
 
 from controlplane.processes import is_alive
-from deployments import services, supervision
+from deployments import quality, services, supervision
 from deployments.models import Deployment
 from hosts.models import Host
 from runs import quantized
+from runs import services as run_services
 from runs.models import QuantizedExport
 from serving.state import DeploymentDir
 
@@ -49,7 +50,7 @@ def quantized_export_finished(quantized_id: int) -> int:
     waiting = Deployment.objects.filter(quantized_export=row, status=Deployment.Status.PENDING)
     if quantized.is_ready(row):
         for deployment in waiting:
-            services.do_record(deployment, "quantized", {"quantized_export": row.pk, "bytes": row.size_bytes})
+            services.do_record(deployment, "quantized", {"quantized_export": row.pk, "scheme": row.scheme, "bytes": row.size_bytes})
             start_deployment.delay(deployment.pk)
         return len(waiting)
     if row.status != QuantizedExport.Status.FAILED:
@@ -62,6 +63,31 @@ def quantized_export_finished(quantized_id: int) -> int:
         )  # fmt: skip
         for deployment in waiting
     )
+
+
+@shared_task
+def measure_quality(quantized_id: int) -> str:
+    """Measures a ready quantized export's top-1 agreement with its float export and both
+    exports' held-out perplexity, stores them with the export and records `quality_measured` (or `quality_failed`, with why) in the run's history."""
+    row = QuantizedExport.objects.select_related("checkpoint__run").get(pk=quantized_id)
+    if not quantized.is_ready(row):
+        return "not ready"
+    run, facts = row.checkpoint.run, {"step": row.checkpoint.step, "scheme": row.scheme, "quantized_export": row.pk}
+    try:
+        measured = quality.measure(row)
+    except (quality.QualityFailed, quantized.QuantizeFailed) as exc:
+        run_services.do_record_event(run, "quality_failed", {**facts, "reason": str(exc)})
+        return f"failed: {exc}"
+    agreement = measured.agreement
+    QuantizedExport.objects.filter(pk=row.pk).update(
+        top1=agreement.top1, top1_positions=agreement.positions, perplexity=measured.perplexity,
+        source_perplexity=measured.source_perplexity,
+    )  # fmt: skip
+    run_services.do_record_event(run, "quality_measured", {
+        **facts, "top1": agreement.top1, "positions": agreement.positions, "perplexity": measured.perplexity,
+        "source_perplexity": measured.source_perplexity,
+    })  # fmt: skip
+    return f"top-1 {agreement.agree}/{agreement.positions}; perplexity {measured.perplexity:.3f} vs {measured.source_perplexity:.3f}"
 
 
 @shared_task

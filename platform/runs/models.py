@@ -291,6 +291,10 @@ class QuantizedExport(models.Model):
     # once measured: the share of `top1_positions` where both served models chose the same token.
     top1 = models.FloatField(null=True, blank=True)
     top1_positions = models.PositiveIntegerField(null=True, blank=True)
+    # Perplexity of this export and of the float one over the same prompts' own tokens (the
+    # run's held-out text), measured with the agreement.
+    perplexity = models.FloatField(null=True, blank=True)
+    source_perplexity = models.FloatField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 

@@ -298,4 +298,6 @@ def quantize_export(quantized_id: int) -> str:
             "source_bytes": summary["source_bytes"], "samples": summary["samples"], "seconds": summary["seconds"],
         })  # fmt: skip
         enqueue_on_commit("deployments.tasks.quantized_export_finished", row.pk)
+        # After the waiting deployments are sent on: they need not wait for the measurement.
+        enqueue_on_commit("deployments.tasks.measure_quality", row.pk)
     return f"{scheme}: {summary['bytes']} bytes"

@@ -26,6 +26,9 @@ CORPUS = "\n\n".join(f"{WORDS[i % 6]} {n} apples and {n + 1} pears near the rive
 OPTIONS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 64, "max_num_seqs": 4, "kv_cache_gib": 1}
 # Few calibration documents keep GPTQ on this CPU to seconds; the task passes the setting on.
 SAMPLES = 16
+# int8 W8A8 matched the float32 model at 253 of 253 positions in test_quantized_export; a few
+# near-ties of this smaller, briefly trained model may still fall the other way.
+MIN_INT8_TOP1 = 0.9
 
 
 def wait_for(fetch, predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
@@ -65,7 +68,9 @@ def test_an_int8_deploy_of_a_fresh_export_quantizes_it_first_and_a_second_one_re
     token = Token.objects.get_or_create(user=alice)[0].key
     api = httpx.Client(base_url=live_web.url, headers={"Authorization": f"Token {token}"}, timeout=60)
     dataset = api.post("/api/datasets/", files={"file": ("counting.txt", CORPUS.encode())}).json()
-    spec = {"train": {"steps": 20, "warmup_steps": 2, "checkpoint_interval": 20}}
+    # Trained until its next-token choices are clear-cut (as test_serving_e2e's), so that the
+    # agreement measured below tells quantization error from the coin flips of a flat model.
+    spec = {"train": {"steps": 160, "warmup_steps": 10, "checkpoint_interval": 160, "lr": 0.01, "min_lr": 0.001}}
     run = api.post("/api/runs/", json={"name": "quantizable", "dataset": dataset["id"], "spec": spec}).json()
     checkpoints = wait_for(
         lambda: api.get(f"/api/runs/{run['id']}/checkpoints/").json(),
@@ -136,6 +141,23 @@ def test_an_int8_deploy_of_a_fresh_export_quantizes_it_first_and_a_second_one_re
         run_events = history(api, f"/api/runs/{run['id']}/events/")
         assert [e["kind"] for e in run_events].count("quantized") == 1
         assert sum(e["kind"] == "quantizing" and e["data"]["stage"] == "loading" for e in run_events) == 1
+
+        # Its quality, measured on replicas of the float and the int8 export over the run's fixed
+        # prompts, is stored with it and shown with the checkpoint.
+        measured = wait_for(
+            lambda: [e for e in history(api, f"/api/runs/{run['id']}/events/") if e["kind"].startswith("quality_")],
+            bool, 900, "the quality measurement",
+        )  # fmt: skip
+        assert [e["kind"] for e in measured] == ["quality_measured"], measured
+        shown = api.get(f"/api/runs/{run['id']}/checkpoints/").json()[-1]["quantized_exports"][0]
+        print(f"int8 top-1 agreement {shown['top1']:.4f} over {shown['top1_positions']} positions; "
+              f"perplexity {shown['perplexity']:.4f} vs float {shown['source_perplexity']:.4f}; "
+              f"size {shown['size_bytes']} / {shown['source_size_bytes']} bytes")  # fmt: skip
+        assert shown["top1_positions"] >= 200
+        assert shown["top1"] >= MIN_INT8_TOP1
+        # The issue's goal for int8: held-out perplexity within 2% of the float export's.
+        assert shown["perplexity"] <= 1.02 * shown["source_perplexity"]
+        assert shown["source_perplexity"] > 1.0
     finally:
         for deployment_id in ids:
             if Deployment.objects.get(pk=deployment_id).status in Deployment.ACTIVE:
