@@ -67,8 +67,9 @@ def do_request(checkpoint: Checkpoint, scheme: str) -> tuple[QuantizedExport, bo
             # Taken back from failed (or from a ready row whose folder is gone) by a conditional
             # UPDATE: two deploys asking at once queue it once.
             moved = QuantizedExport.objects.filter(pk=quantized.pk, status=quantized.status).update(
-                status=QuantizedExport.Status.PENDING, path="", finished_at=None
-            )
+                status=QuantizedExport.Status.PENDING, path="", finished_at=None, top1=None, top1_positions=None,
+                perplexity=None, source_perplexity=None,
+            )  # the figures were the old export's
             quantized.refresh_from_db()
             if not moved:
                 return quantized, False

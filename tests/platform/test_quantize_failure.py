@@ -40,6 +40,13 @@ def odd_shaped(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunSpec, Path]
     return spec, work / "run"
 
 
+def wait_while_pending(deployment: Deployment) -> None:
+    deadline = time.monotonic() + 600
+    while Deployment.objects.get(pk=deployment.pk).status == Deployment.Status.PENDING:
+        assert time.monotonic() < deadline, "the quantize task did not end within 600 s"
+        time.sleep(1)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_model_the_quantizer_cannot_take_fails_the_task_and_its_deployment_with_the_reason(
     alice, odd_shaped, celery_worker, settings
@@ -53,10 +60,7 @@ def test_a_model_the_quantizer_cannot_take_fails_the_task_and_its_deployment_wit
     deployment = deployment_services.do_create_deployment(
         alice, checkpoint, name="", served_model_name="odd-int4", replicas=1, options={}, quantization="int4"
     )
-    deadline = time.monotonic() + 600
-    while Deployment.objects.get(pk=deployment.pk).status == Deployment.Status.PENDING:
-        assert time.monotonic() < deadline, "the quantize task did not end within 600 s"
-        time.sleep(1)
+    wait_while_pending(deployment)
 
     row = QuantizedExport.objects.get(checkpoint=checkpoint, scheme="int4")
     assert row.status == QuantizedExport.Status.FAILED and row.path == ""
@@ -71,3 +75,14 @@ def test_a_model_the_quantizer_cannot_take_fails_the_task_and_its_deployment_wit
     ]  # fmt: skip
     assert next(data for kind, data in events if kind == "quantize_failed")["reason"] == row.reason
     assert [e.kind for e in deployment.events.order_by("seq")] == ["created", "waiting_for_quantization", "failed"]
+
+    # A later deploy asks again: the failed row is queued once more (a failure may have been the
+    # machine's), and fails the same way.
+    again = deployment_services.do_create_deployment(
+        alice, checkpoint, name="", served_model_name="odd-int4-again", replicas=1, options={}, quantization="int4"
+    )
+    assert QuantizedExport.objects.get(pk=row.pk).status in (QuantizedExport.Status.PENDING, QuantizedExport.Status.RUNNING)
+    wait_while_pending(again)
+    assert Deployment.objects.get(pk=again.pk).status_reason == f"its int4 export could not be made: {row.reason}"
+    assert QuantizedExport.objects.count() == 1
+    assert [e.kind for e in run.events.order_by("seq")].count("quantize_failed") == 2
