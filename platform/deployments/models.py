@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import models
 
 from controlplane.events import Event
-from runs.models import Checkpoint
+from runs.models import Checkpoint, QuantizedExport
 
 
 class Deployment(models.Model):
@@ -28,6 +28,12 @@ class Deployment(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="deployments")
     name = models.CharField(max_length=200)
     checkpoint = models.ForeignKey(Checkpoint, on_delete=models.PROTECT, related_name="deployments")
+    # The int8/int4 export its replicas serve (the API's `quantization`); null: the checkpoint's
+    # own export. A deployment whose quantized export is not ready yet stays pending until the
+    # quantize task, once it is, starts it.
+    quantized_export = models.ForeignKey(
+        QuantizedExport, on_delete=models.PROTECT, null=True, blank=True, related_name="deployments"
+    )
     served_model_name = models.CharField(max_length=200, unique=True)
     replicas = models.PositiveIntegerField(default=1)
     options = models.JSONField(default=dict, blank=True, help_text="vLLM options, validated by serving.vllm.")
@@ -48,6 +54,11 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.served_model_name
+
+    @property
+    def quantization(self) -> str:
+        """The API's `quantization`: the scheme of the export it serves, or none."""
+        return self.quantized_export.scheme if self.quantized_export else "none"
 
     @property
     def folder(self) -> Path:

@@ -9,6 +9,7 @@ replicas run with what is stored, and the page shows it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ from typing import Any
 from django.conf import settings
 
 from controlplane.exceptions import InvalidInput
-from runs import exports
-from runs.models import Checkpoint
+from runs import exports, quantized
+from runs.models import Checkpoint, QuantizedExport
 from serving import export_store
 from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible
 from training.config import ModelConfig
@@ -57,15 +58,31 @@ def export_info(checkpoint: Checkpoint) -> CheckpointInfo:
     )
 
 
-def resolve_options(options: dict[str, Any], checkpoint: Checkpoint) -> dict[str, Any]:
-    """The replica options a deployment of `checkpoint` stores: every default filled in, checked
-    against the device and the export. Errors name the option (`options.max_model_len`).
+def quantized_info(row: QuantizedExport, source: CheckpointInfo) -> CheckpointInfo:
+    """What the quantized export says, or will say once made: the float export's model with
+    the weights of its scheme (serving.quantize writes a compressed-tensors config)."""
+    if quantized.is_ready(row):
+        return CheckpointInfo.read(row.path)
+    return dataclasses.replace(
+        source, path=quantized.folder(row), quant=quantized.served_as(row.scheme), quant_method="compressed-tensors"
+    )
+
+
+def resolve_options(
+    options: dict[str, Any], checkpoint: Checkpoint, quantized_export: QuantizedExport | None = None
+) -> dict[str, Any]:
+    """The replica options a deployment of `checkpoint` (or of its `quantized_export`) stores:
+    every default filled in, checked against the device and the export. Errors name the option
+    (`options.max_model_len`); a quantized export sets `quantization` to what it is served as.
 
     Without a max_model_len, a replica serves the checkpoint's whole context (capped at 1024 on
     CPU and 8192 elsewhere, vLLM's KV cache being sized for it)."""
     try:
         info = export_info(checkpoint)
         given = {"device": settings.SERVING_DEVICE, **options}
+        if quantized_export is not None:
+            info = quantized_info(quantized_export, info)
+            given["quantization"] = quantized.served_as(quantized_export.scheme)
         if "max_model_len" not in options and info.max_position_embeddings:
             cap = 1024 if settings.SERVING_DEVICE == "cpu" else 8192
             given["max_model_len"] = min(info.max_position_embeddings, cap)

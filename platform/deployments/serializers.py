@@ -6,6 +6,7 @@ from rest_framework import serializers
 
 from controlplane.api import ModelSerializer
 from deployments.models import ApiKey, Deployment, DeploymentEvent, Replica
+from deployments.services import QUANTIZATION_CHOICES
 from runs.models import Checkpoint
 from serving.supervisor import MAX_REPLICAS
 
@@ -21,6 +22,13 @@ class DeploymentSerializer(ModelSerializer):
     replicas = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS, default=1)
     options = serializers.JSONField(default=dict, help_text="vLLM options (see serving.vllm).")
     replica_set = ReplicaSerializer(many=True, read_only=True)
+    quantization = serializers.ChoiceField(
+        choices=QUANTIZATION_CHOICES,
+        default="none",
+        error_messages={"invalid_choice": f"must be one of {', '.join(QUANTIZATION_CHOICES)}; got {{input!r}}"},
+        help_text="Serve the checkpoint's own export (none) or an int8 (W8A8) / int4 (W4A16) export Fathom makes "
+        "from it with llmcompressor, first if there is none yet. fp8 is options.quantization.",
+    )
 
     class Meta:
         model = Deployment
@@ -31,13 +39,15 @@ class DeploymentSerializer(ModelSerializer):
             "served_model_name",
             "replicas",
             "options",
+            "quantization",
+            "quantized_export",
             "status",
             "status_reason",
             "replica_set",
             "last_seq",
             "created_at",
         ]
-        read_only_fields = ["status", "status_reason", "last_seq", "created_at"]
+        read_only_fields = ["status", "status_reason", "last_seq", "created_at", "quantized_export"]
         extra_kwargs = {"name": {"required": False}, "served_model_name": {"required": False}}
 
     def get_fields(self) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from deployments.models import ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
 from hosts.models import DeviceClaim
 from notifications.services import DEPLOYMENT_EVENTS, notify_on_commit
-from runs import exports
-from runs.models import Checkpoint
+from runs import exports, quantized
+from runs.models import Checkpoint, QuantizedExport
 from serving.export_store import ExportStoreError
 from serving.state import replica_log
 from training.checkpoint_storage import is_committed_at
@@ -63,24 +63,66 @@ def check_checkpoint(checkpoint: Checkpoint) -> None:
     )
 
 
+# The API's `quantization`: the checkpoint's own export, or an int8/int4 export Fathom makes
+# from it (fp8 stays a replica option, `options.quantization`, which vLLM applies at load).
+QUANTIZATION_CHOICES = ("none", *QuantizedExport.Scheme.values)
+
+
+def check_quantization(quantization: str, options: dict[str, Any]) -> None:
+    if quantization not in QUANTIZATION_CHOICES:
+        raise InvalidInput("quantization", f"must be one of {', '.join(QUANTIZATION_CHOICES)}; got {quantization!r}")
+    if quantization != "none" and options.get("quantization", "none") not in ("none", quantized.served_as(quantization)):
+        raise InvalidInput(
+            "quantization",
+            f"{quantization!r} serves Fathom's {quantization} export, so options.quantization must be left out; "
+            f"got options.quantization {options['quantization']!r}",
+        )
+
+
 def do_create_deployment(
-    owner: Any, checkpoint: Checkpoint, *, name: str, served_model_name: str, replicas: int, options: dict[str, Any]
+    owner: Any,
+    checkpoint: Checkpoint,
+    *,
+    name: str,
+    served_model_name: str,
+    replicas: int,
+    options: dict[str, Any],
+    quantization: str = "none",
 ) -> Deployment:
+    """Creates the deployment and queues its start. With `quantization` int8 or int4 it serves
+    the checkpoint's quantized export: made first (queued here) when there is none yet, the
+    deployment staying pending until `quantized_export_finished` starts it."""
     check_checkpoint(checkpoint)
+    check_quantization(quantization, options)
     served = check_served_model_name(
         served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-")
     )
-    resolved = resolve_options(options, checkpoint)
+    # Checked against what the quantized export will be before any row or task exists: a scheme
+    # the device cannot run is refused without quantizing.
+    planned = None
+    if quantization != "none":
+        planned = QuantizedExport.objects.filter(checkpoint=checkpoint, scheme=quantization).first() or QuantizedExport(
+            checkpoint=checkpoint, scheme=quantization
+        )
+    resolved = resolve_options(options, checkpoint, planned)
     with transaction.atomic():
+        quantized_export, queued = quantized.do_request(checkpoint, quantization) if planned else (None, False)
         deployment = Deployment.objects.create(
             owner=owner,
             name=name or served,
             checkpoint=checkpoint,
+            quantized_export=quantized_export,
             served_model_name=served,
             replicas=replicas,
             options=resolved,
         )
-        do_record(deployment, "created", {"replicas": replicas, "checkpoint": checkpoint.pk})
+        do_record(deployment, "created", {"replicas": replicas, "checkpoint": checkpoint.pk, "quantization": quantization})
+        if quantized_export is not None and not quantized.is_ready(quantized_export):
+            do_record(deployment, "waiting_for_quantization", {
+                "quantized_export": quantized_export.pk, "scheme": quantization, "queued": queued,
+            })  # fmt: skip
+        # Started now if its export is ready; otherwise start_deployment leaves it pending (the
+        # quantize task starts it), which also covers a quantization that finishes meanwhile.
         enqueue_on_commit("deployments.tasks.start_deployment", deployment.pk)
     return deployment
 

@@ -75,7 +75,7 @@ def start(deployment: Deployment) -> int | None:
     """Exports the checkpoint if needed and starts the deployment's supervisor: here (returns its
     pid), or, once hosts have registered, one on each host that got a free device for some of its
     replicas (a task to each host's queue; returns None)."""
-    export_path = exports.export(deployment.checkpoint)
+    export_path = deployment.quantized_export.path if deployment.quantized_export else exports.export(deployment.checkpoint)
     if capacity.cluster_exists():
         _start_on_hosts(deployment, export_path)
         return None

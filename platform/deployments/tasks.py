@@ -5,9 +5,12 @@ from __future__ import annotations
 from celery import shared_task
 
 from controlplane.processes import is_alive
-from deployments import services, supervision
+from deployments import quality, services, supervision
 from deployments.models import Deployment
 from hosts.models import Host
+from runs import quantized
+from runs import services as run_services
+from runs.models import QuantizedExport
 from serving.state import DeploymentDir
 
 # Deployments whose supervisor should be running.
@@ -16,7 +19,10 @@ SUPERVISED = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.St
 
 @shared_task
 def start_deployment(deployment_id: int) -> str:
-    deployment = Deployment.objects.get(pk=deployment_id)
+    deployment = Deployment.objects.select_related("quantized_export").get(pk=deployment_id)
+    if deployment.quantized_export is not None and not quantized.is_ready(deployment.quantized_export):
+        # quantized_export_finished starts it, or fails it with the quantizer's reason.
+        return "waiting for its quantized export"
     if not services.do_set_status(
         deployment, Deployment.Status.STARTING, only_from=[Deployment.Status.PENDING], event=None
     ):
@@ -34,6 +40,54 @@ def start_deployment(deployment_id: int) -> str:
     Deployment.objects.filter(pk=deployment_id).update(supervisor_pid=pid)
     services.do_record(deployment, "supervisor_started", {"pid": pid})
     return f"supervisor {pid}"
+
+
+@shared_task
+def quantized_export_finished(quantized_id: int) -> int:
+    """Starts the deployments that waited for a quantized export now ready, or fails them with
+    the quantizer's reason; returns how many it moved."""
+    row = QuantizedExport.objects.get(pk=quantized_id)
+    waiting = Deployment.objects.filter(quantized_export=row, status=Deployment.Status.PENDING)
+    if quantized.is_ready(row):
+        for deployment in waiting:
+            services.do_record(deployment, "quantized", {"quantized_export": row.pk, "scheme": row.scheme, "bytes": row.size_bytes})
+            start_deployment.delay(deployment.pk)
+        return len(waiting)
+    if row.status != QuantizedExport.Status.FAILED:
+        return 0  # queued again by a later deploy since: that attempt's end is what counts
+    reason = f"its {row.scheme} export could not be made: {row.reason}"
+    return sum(
+        services.do_set_status(
+            deployment, Deployment.Status.FAILED, only_from=[Deployment.Status.PENDING], reason=reason,
+            event="failed", data={"reason": reason},
+        )  # fmt: skip
+        for deployment in waiting
+    )
+
+
+@shared_task
+def measure_quality(quantized_id: int) -> str:
+    """Measures a ready quantized export's top-1 agreement with its float export and both
+    exports' held-out perplexity, stores them with the export and records `quality_measured` (or `quality_failed`, with why) in the run's history."""
+    row = QuantizedExport.objects.select_related("checkpoint__run").get(pk=quantized_id)
+    if not quantized.is_ready(row):
+        return "not ready"
+    run, facts = row.checkpoint.run, {"step": row.checkpoint.step, "scheme": row.scheme, "quantized_export": row.pk}
+    try:
+        measured = quality.measure(row)
+    except (quality.QualityFailed, quantized.QuantizeFailed) as exc:
+        run_services.do_record_event(run, "quality_failed", {**facts, "reason": str(exc)})
+        return f"failed: {exc}"
+    agreement = measured.agreement
+    QuantizedExport.objects.filter(pk=row.pk).update(
+        top1=agreement.top1, top1_positions=agreement.positions, perplexity=measured.perplexity,
+        source_perplexity=measured.source_perplexity,
+    )  # fmt: skip
+    run_services.do_record_event(run, "quality_measured", {
+        **facts, "top1": agreement.top1, "positions": agreement.positions, "perplexity": measured.perplexity,
+        "source_perplexity": measured.source_perplexity,
+    })  # fmt: skip
+    return f"top-1 {agreement.agree}/{agreement.positions}; perplexity {measured.perplexity:.3f} vs {measured.source_perplexity:.3f}"
 
 
 @shared_task

@@ -60,6 +60,7 @@ class DeploymentViewSet(
             served_model_name=data.get("served_model_name", ""),
             replicas=data["replicas"],
             options=data["options"],
+            quantization=data["quantization"],
         )
 
     @extend_schema(request=None, responses=DeploymentSerializer)

@@ -257,3 +257,52 @@ class Checkpoint(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run.name} step {self.step}"
+
+
+class QuantizedExport(models.Model):
+    """An int8 or int4 copy of a checkpoint's Hugging Face export, made by `serving.quantize`
+    (llmcompressor) and kept for every later deploy of that checkpoint in that scheme.
+
+    The source export is the checkpoint's (`Checkpoint.export_path`); one row per checkpoint and
+    scheme. `status` moves pending → running → ready or failed, each move a conditional UPDATE
+    (`runs.quantized`); a failed row is queued again when a deploy asks for it.
+    """
+
+    class Scheme(models.TextChoices):
+        INT8 = "int8"  # W8A8: served as ReplicaOptions.quantization "int8_w8a8"
+        INT4 = "int4"  # W4A16: served as "int4"
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        READY = "ready"
+        FAILED = "failed"
+
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="quantized_exports")
+    scheme = models.CharField(max_length=8, choices=Scheme.choices)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING)
+    reason = models.TextField(blank=True, help_text="Why quantizing failed.")
+    path = models.CharField(max_length=1000, blank=True, help_text="The compressed-tensors folder, once made.")
+    size_bytes = models.BigIntegerField(null=True, blank=True, help_text="Weight files of the quantized export.")
+    source_size_bytes = models.BigIntegerField(null=True, blank=True, help_text="Weight files of the float export.")
+    calibration = models.CharField(max_length=1000, blank=True, help_text="The dataset file calibrated on.")
+    samples = models.PositiveIntegerField(null=True, blank=True, help_text="Calibration documents used.")
+    # Top-1 next-token agreement with the float export over serving.quality's fixed prompts,
+    # once measured: the share of `top1_positions` where both served models chose the same token.
+    top1 = models.FloatField(null=True, blank=True)
+    top1_positions = models.PositiveIntegerField(null=True, blank=True)
+    # Perplexity of this export and of the float one over the same prompts' own tokens (the
+    # run's held-out text), measured with the agreement.
+    perplexity = models.FloatField(null=True, blank=True)
+    source_perplexity = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["checkpoint", "scheme"]
+        constraints = [
+            models.UniqueConstraint(fields=["checkpoint", "scheme"], name="quantized_export_scheme_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.checkpoint} {self.scheme}"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from drf_spectacular.utils import extend_schema_field, inline_serializer
@@ -7,7 +8,8 @@ from rest_framework import serializers
 
 from controlplane.api import ModelSerializer, Text
 from runs import access, compare, organise, services
-from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, Run, RunEvent
+from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, QuantizedExport, Run, RunEvent
+from serving.quantize import folder_size
 from training.config import RECIPES
 
 
@@ -240,10 +242,39 @@ class RunEventSerializer(ModelSerializer):
         fields = ["seq", "source", "source_seq", "kind", "time", "data"]
 
 
+class QuantizedExportSerializer(ModelSerializer):
+    """An int8/int4 export of the checkpoint: its size beside the float export's, and, once
+    measured, its top-1 next-token agreement with the float export and both perplexities on
+    the run's held-out prompts."""
+
+    class Meta:
+        model = QuantizedExport
+        fields = [
+            "id", "scheme", "status", "reason", "path", "size_bytes", "source_size_bytes", "samples", "top1",
+            "top1_positions", "perplexity", "source_perplexity", "created_at", "finished_at",
+        ]  # fmt: skip
+
+
 class CheckpointSerializer(ModelSerializer):
+    quantized_exports = QuantizedExportSerializer(many=True, read_only=True)
+    export_size_bytes = serializers.SerializerMethodField(
+        help_text="Weight files of the export, where it is a local folder; null otherwise or before it is made."
+    )
+
     class Meta:
         model = Checkpoint
-        fields = ["id", "run", "step", "path", "export_path", "eval_loss", "created_at", "pruned_at"]
+        fields = [
+            "id", "run", "step", "path", "export_path", "export_size_bytes", "eval_loss", "created_at", "pruned_at",
+            "quantized_exports",
+        ]  # fmt: skip
+
+    def get_export_size_bytes(self, checkpoint: Checkpoint) -> int | None:
+        if not checkpoint.export_path or "://" in checkpoint.export_path:
+            return None
+        try:
+            return folder_size(Path(checkpoint.export_path))
+        except OSError:  # not made yet, or gone
+            return None
 
 
 class IngestEventSerializer(serializers.Serializer):

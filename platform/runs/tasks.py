@@ -5,15 +5,18 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
+from typing import Any
 
 from celery import shared_task
 from django.conf import settings
+from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from controlplane.queue import enqueue_on_commit
 from hosts.tasks import schedule_and_start
-from runs import executors, exports, launcher, services, slurm
-from runs.models import Checkpoint, Run
+from runs import executors, exports, launcher, quantized, services, slurm
+from runs.models import Checkpoint, QuantizedExport, Run
 
 log = logging.getLogger(__name__)
 
@@ -263,3 +266,38 @@ def export_checkpoint(checkpoint_id: int) -> str:
         raise
     services.do_record_event(checkpoint.run, "exported", {"step": checkpoint.step, "path": str(path)})
     return str(path)
+
+
+@shared_task
+def quantize_export(quantized_id: int) -> str:
+    """Makes a checkpoint's int8/int4 export, recording each stage in the run's history
+    (`quantizing`, then `quantized` or `quantize_failed` with the reason), then hands the
+    deployments waiting for it to `deployments.tasks.quantized_export_finished`."""
+    row = QuantizedExport.objects.select_related("checkpoint__run").get(pk=quantized_id)
+    if not quantized.claim(row):
+        return "already claimed"
+    run, step, scheme = row.checkpoint.run, row.checkpoint.step, row.scheme
+
+    def progress(stage: dict[str, Any]) -> None:
+        if stage["stage"] not in ("done", "failed"):
+            services.do_record_event(run, "quantizing", {"step": step, "scheme": scheme, "quantized_export": row.pk, **stage})
+
+    try:
+        summary = quantized.make(row, progress)
+    except quantized.QuantizeFailed as exc:
+        with transaction.atomic():
+            quantized.do_fail(row, str(exc))
+            services.do_record_event(
+                run, "quantize_failed", {"step": step, "scheme": scheme, "quantized_export": row.pk, "reason": str(exc)}
+            )
+            enqueue_on_commit("deployments.tasks.quantized_export_finished", row.pk)
+        return f"failed: {exc}"
+    with transaction.atomic():
+        services.do_record_event(run, "quantized", {
+            "step": step, "scheme": scheme, "quantized_export": row.pk, "bytes": summary["bytes"],
+            "source_bytes": summary["source_bytes"], "samples": summary["samples"], "seconds": summary["seconds"],
+        })  # fmt: skip
+        enqueue_on_commit("deployments.tasks.quantized_export_finished", row.pk)
+        # After the waiting deployments are sent on: they need not wait for the measurement.
+        enqueue_on_commit("deployments.tasks.measure_quality", row.pk)
+    return f"{scheme}: {summary['bytes']} bytes"

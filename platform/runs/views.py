@@ -241,7 +241,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
     @action(detail=True, methods=["get"], pagination_class=None)
     def checkpoints(self, request: Request, pk: str) -> Response:
         run = self.get_object()
-        ordered = services.order_checkpoints(run.checkpoints.all(), request.query_params.get("ordering"))
+        ordered = services.order_checkpoints(run.checkpoints.prefetch_related("quantized_exports"), request.query_params.get("ordering"))
         return Response(CheckpointSerializer(ordered, many=True).data)
 
     @extend_schema(
@@ -348,7 +348,7 @@ class CheckpointViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     def get_queryset(self) -> QuerySet[Checkpoint]:
         if getattr(self, "swagger_fake_view", False):
             return Checkpoint.objects.none()
-        checkpoints = access.visible_checkpoints(self.request.user).select_related("run")
+        checkpoints = access.visible_checkpoints(self.request.user).select_related("run").prefetch_related("quantized_exports")
         if self.action == "list":
             return services.order_checkpoints(checkpoints, self.request.query_params.get("ordering"))
         return checkpoints

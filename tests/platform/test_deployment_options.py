@@ -16,7 +16,7 @@ import pytest
 from deployments.models import Deployment
 from deployments.options import export_info
 from runs import exports
-from runs.models import Checkpoint, Run
+from runs.models import Checkpoint, QuantizedExport, Run
 from serving.vllm import CheckpointInfo
 from tools.check_parity import launch, parity_spec
 from training.run_dir import RunDir
@@ -68,3 +68,46 @@ def test_what_the_options_were_checked_against_is_what_the_export_says(checkpoin
     planned = export_info(checkpoint)
     exported = CheckpointInfo.read(exports.export(checkpoint))
     assert dataclasses.replace(planned, path=exported.path) == exported
+
+
+def test_a_quantization_fathom_does_not_make_is_refused_naming_the_field_and_the_choices(alice_api, checkpoint):
+    for wrong in ("int9", "fp8", "INT8", 8):
+        refused = alice_api.post(
+            "/api/deployments/", {"checkpoint": checkpoint.pk, "quantization": wrong}, format="json"
+        )
+        assert refused.status_code == 400
+        assert refused.json() == {"quantization": [f"must be one of none, int8, int4; got {wrong!r}"]}
+    assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
+
+
+def test_a_quantized_deploy_whose_options_contradict_it_is_refused_before_anything_is_quantized(alice_api, checkpoint):
+    clash = alice_api.post(
+        "/api/deployments/",
+        {"checkpoint": checkpoint.pk, "quantization": "int8", "options": {"quantization": "int4"}},
+        format="json",
+    )
+    assert clash.status_code == 400
+    assert clash.json() == {"quantization": [
+        "'int8' serves Fathom's int8 export, so options.quantization must be left out; got options.quantization 'int4'"
+    ]}  # fmt: skip
+    # int4 runs in bfloat16 on vLLM's CPU backend: a float32 int4 deploy is refused at create.
+    float32_int4 = alice_api.post(
+        "/api/deployments/",
+        {"checkpoint": checkpoint.pk, "quantization": "int4", "options": {"dtype": "float32"}},
+        format="json",
+    )
+    assert float32_int4.status_code == 400
+    assert list(float32_int4.json()["options"]) == ["dtype"]
+    assert "bfloat16" in float32_int4.json()["options"]["dtype"][0]
+    assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
+
+
+def test_an_int8_deploy_of_a_fresh_export_queues_its_quantization_and_waits_for_it(alice_api, checkpoint):
+    created = alice_api.post("/api/deployments/", {"checkpoint": checkpoint.pk, "quantization": "int8"}, format="json")
+    assert created.status_code == 201, created.content
+    assert created.json()["quantization"] == "int8" and created.json()["status"] == "pending"
+    row = QuantizedExport.objects.get()
+    assert (row.checkpoint_id, row.scheme, row.status) == (checkpoint.pk, "int8", "pending")
+    deployment = Deployment.objects.get(pk=created.json()["id"])
+    assert deployment.quantized_export == row and deployment.options["quantization"] == "int8_w8a8"
+    assert [e.kind for e in deployment.events.order_by("seq")] == ["created", "waiting_for_quantization"]

@@ -166,7 +166,11 @@ function describe(e) {
   const replica = e.replica != null ? `Replica ${e.replica}` : "";
   switch (e.kind) {
     case "created":
-      return `Created with ${e.replicas} replica${e.replicas === 1 ? "" : "s"}`;
+      return `Created with ${e.replicas} replica${e.replicas === 1 ? "" : "s"}${e.quantization && e.quantization !== "none" ? `, ${e.quantization}` : ""}`;
+    case "waiting_for_quantization":
+      return `Waiting for the checkpoint's ${e.scheme} export to be made (llmcompressor)`;
+    case "quantized":
+      return `The ${e.scheme ?? "quantized"} export is ready${e.bytes ? ` (${e.bytes} bytes)` : ""}`;
     case "replica_starting":
       return `${replica} starting`;
     case "replica_ready":

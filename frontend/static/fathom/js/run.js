@@ -6,7 +6,7 @@ import { LineChart, formatNumber } from "./chart.js";
 import { every, h, pageData } from "./dom.js";
 import { LiveEvents } from "./live.js";
 import { RankGrid } from "./ranks.js";
-import { Checkpoints, LogTail } from "./run_panels.js";
+import { Checkpoints, LogTail, formatBytes } from "./run_panels.js";
 import { Timeline } from "./timeline.js";
 
 // How often the log tail is read while the run is active.
@@ -236,8 +236,32 @@ function openDeploy(checkpoint) {
   $("deploy-step").textContent = String(checkpoint.step);
   $("deploy-name").value = `${run.name} step ${checkpoint.step}`;
   $("deploy-max-len").placeholder = run.seq_len ? String(run.seq_len) : "the checkpoint's";
+  $("deploy-quantization").replaceChildren(...quantizationChoices(checkpoint));
   $("deploy-error").hidden = true;
   deployDialog.showModal();
+}
+
+/** The deploy form's quantization choices, each with the size of the export it serves and, once
+ * measured, its top-1 agreement with the float export. fp8 is vLLM's own, applied at load. */
+function quantizationChoices(checkpoint) {
+  const made = new Map((checkpoint.quantized_exports || []).map((q) => [q.scheme, q]));
+  const floatBytes = checkpoint.export_size_bytes;
+  const describe = (scheme, label) => {
+    const q = made.get(scheme);
+    if (!q || q.status === "failed") return `${label} — made first (${q ? "last try failed" : "takes minutes"})`;
+    if (q.status !== "ready") return `${label} — being made`;
+    const quality =
+      q.top1 == null
+        ? "quality not measured yet"
+        : `top-1 ${(100 * q.top1).toFixed(1)}%, perplexity ×${(q.perplexity / q.source_perplexity).toFixed(3)}`;
+    return `${label} — ${formatBytes(q.size_bytes)}, ${quality}`;
+  };
+  return [
+    h("option", { value: "none" }, floatBytes == null ? "none (float export)" : `none (float export) — ${formatBytes(floatBytes)}`),
+    h("option", { value: "int8" }, describe("int8", "int8 (W8A8)")),
+    h("option", { value: "int4" }, describe("int4", "int4 (W4A16, bfloat16 on CPU)")),
+    h("option", { value: "fp8" }, "fp8 (vLLM at load; CUDA or AMX CPUs)"),
+  ];
 }
 
 $("deploy-cancel").addEventListener("click", () => deployDialog.close());
@@ -246,7 +270,9 @@ $("deploy-form").addEventListener("submit", async (event) => {
   const button = $("deploy-confirm");
   button.disabled = true;
   $("deploy-error").hidden = true;
-  const options = { dtype: $("deploy-dtype").value, quantization: $("deploy-quantization").value };
+  const options = { dtype: $("deploy-dtype").value };
+  const quantization = $("deploy-quantization").value;
+  if (quantization === "fp8") options.quantization = "fp8";
   // A deployment's context defaults to what the model was trained on; vLLM's own may exceed it.
   const maxLen = Number($("deploy-max-len").value) || run.seq_len;
   if (maxLen) options.max_model_len = maxLen;
@@ -254,7 +280,13 @@ $("deploy-form").addEventListener("submit", async (event) => {
   try {
     const deployment = await api("/api/deployments/", {
       method: "POST",
-      json: { checkpoint: deploying.id, name: $("deploy-name").value.trim(), replicas: Number($("deploy-replicas").value) || 1, options },
+      json: {
+        checkpoint: deploying.id,
+        name: $("deploy-name").value.trim(),
+        replicas: Number($("deploy-replicas").value) || 1,
+        quantization: quantization === "fp8" ? "none" : quantization,
+        options,
+      },
     });
     location.assign(`/deployments/${deployment.id}`);
   } catch (exc) {

@@ -53,6 +53,7 @@ export class Checkpoints {
       row.pruned_at ??= iso;
       return true;
     }
+    if (QUANTIZED_EVENTS.has(e.kind)) this.refreshSoon(); // the row's quantized exports, as stored
     return false;
   }
 
@@ -83,16 +84,52 @@ export class Checkpoints {
         : state === "pruned"
           ? h("span", { class: "badge status-pruned", title: "Deleted by the trainer: train.keep_checkpoints" }, "pruned")
           : h("span", { class: "muted" }, "not exported");
+    const quantized = (checkpoint.quantized_exports || []).map((q) => quantizedLine(q, checkpoint.export_size_bytes));
     return h(
       "tr",
       { dataset: { step: checkpoint.step, state } },
       h("td", { class: "num", "data-label": "Step" }, String(checkpoint.step)),
       h("td", { class: "num", "data-label": "Eval loss" }, checkpoint.eval_loss == null ? "–" : formatNumber(checkpoint.eval_loss)),
       h("td", { "data-label": "Saved" }, h("time", { datetime: checkpoint.created_at, title: checkpoint.created_at }, ago(checkpoint.created_at))),
-      h("td", { class: "export", "data-label": "State" }, exportCell),
+      h("td", { class: "export", "data-label": "State" }, exportCell, ...quantized),
       h("td", {}, deploy ? [h("span", { class: "visually-hidden" }, `Step ${checkpoint.step}: `), deploy] : null),
     );
   }
+}
+
+// Run events after which a checkpoint's quantized exports are read again.
+const QUANTIZED_EVENTS = new Set(["quantizing", "quantized", "quantize_failed", "quality_measured", "quality_failed"]);
+
+export function formatBytes(bytes) {
+  if (bytes == null) return "–";
+  if (bytes < 1024 * 1024) return `${(bytes / 1024).toFixed(1)} KiB`;
+  return `${(bytes / 1024 / 1024).toFixed(1)} MiB`;
+}
+
+/** What an int8/int4 export costs and saves: its size beside the float export's, its top-1
+ * next-token agreement with it and both perplexities once measured; or where it stands. */
+function quantizedLine(q, floatBytes) {
+  const facts =
+    q.status === "ready"
+      ? [
+          `${formatBytes(q.size_bytes)} of ${formatBytes(q.source_size_bytes ?? floatBytes)}`,
+          ...(q.top1 == null
+            ? ["quality not measured yet"]
+            : [
+                `top-1 agreement ${(100 * q.top1).toFixed(1)}% (${q.top1_positions} positions)`,
+                `held-out perplexity ${formatNumber(q.perplexity)} vs ${formatNumber(q.source_perplexity)} float`,
+              ]),
+        ].join(" · ")
+      : q.status === "failed"
+        ? q.reason
+        : "being made";
+  return h(
+    "div",
+    { class: "quantized", dataset: { scheme: q.scheme, state: q.status } },
+    h("span", { class: `badge status-${q.status === "ready" ? "succeeded" : q.status === "failed" ? "failed" : "running"}` }, q.scheme),
+    " ",
+    h("span", { class: q.status === "failed" ? "error" : "muted" }, facts),
+  );
 }
 
 // Lines of log fetched each refresh: a screenful and a half, and cheap to send every few seconds.

@@ -11,6 +11,11 @@ const IMPORTANCE = {
   rank_failed: "bad",
   failed: "bad",
   export_failed: "bad",
+  quantize_failed: "bad",
+  quality_failed: "warn",
+  quantized: "info",
+  quality_measured: "info",
+  quantizing: "plain",
   node_lost: "bad",
   host_lost: "bad",
   waiting: "warn",
@@ -76,6 +81,19 @@ export function describe(e) {
       return ["Exported", `step ${e.step} to Hugging Face format`];
     case "export_failed":
       return ["Export failed", `step ${e.step}: ${e.reason ?? ""}`];
+    case "quantizing":
+      return [`Quantizing to ${e.scheme}`, `step ${e.step}: ${e.stage}${e.samples ? ` (${e.samples} calibration documents, ${e.tokens} tokens)` : ""}`];
+    case "quantized":
+      return [`Quantized to ${e.scheme}`, `step ${e.step}: ${e.bytes} bytes of ${e.source_bytes} in ${e.seconds} s`];
+    case "quantize_failed":
+      return [`Quantizing to ${e.scheme} failed`, `step ${e.step}: ${e.reason ?? ""}`];
+    case "quality_measured":
+      return [
+        `${e.scheme} quality measured`,
+        `step ${e.step}: top-1 agreement ${(100 * e.top1).toFixed(1)}% over ${e.positions} positions; perplexity ${e.perplexity?.toFixed(3)} vs ${e.source_perplexity?.toFixed(3)} float`,
+      ];
+    case "quality_failed":
+      return [`${e.scheme} quality not measured`, `step ${e.step}: ${e.reason ?? ""}`];
     case "checkpoint_pruned":
       return ["Checkpoint pruned", `step ${e.step}: deleted by the trainer (train.keep_checkpoints)${e.exported ? "; its export stays" : ""}`];
     case "node_silent":
