@@ -141,21 +141,28 @@ def young_interval(
 
 # Steps before an attempt's first in-memory snapshot: enough for a step time to compare its cost with.
 FIRST_SNAPSHOT_STEPS = 2
+# The snapshot of an attempt whose cost is a measure: the first that writes into a slot (of
+# training.memory_snapshot's two) already written by this process.
+WARM_SNAPSHOT = 3
 
 
 class SnapshotPolicy:
     """When a rank copies its state into shared memory (`training.memory_snapshot`).
 
     The same rule as the disk's, with the snapshot's own cost: every k steps, k from Young's
-    τ = √(2·C·M), where C is what the first snapshot of the attempt took (the slowest rank's) and M
-    the failure interval `CheckpointPolicy` learns. Agreed once per attempt by one all-reduce, so
-    every rank snapshots the same steps.
+    τ = √(2·C·M), where C is what the attempt's third snapshot took (the slowest rank's) and M
+    the failure interval `CheckpointPolicy` learns. The first two are taken on consecutive steps
+    and not measured: each is the first copy into one of the two slots in this process, which
+    faults the slot's pages in (measured at 2-3× the copy itself, `tiny`), and an interval from
+    that would be √2-√3 too long. Agreed once per attempt by one all-reduce, so every rank
+    snapshots the same steps.
     """
 
     def __init__(self, *, first_step: int, attempt: int, distributed: bool) -> None:
         self.attempt = attempt
         self.distributed = distributed
         self.first = first_step + FIRST_SNAPSHOT_STEPS
+        self.measured = self.first + WARM_SNAPSHOT - 1  # the snapshot whose cost sets the interval
         self.every: int | None = None  # steps between snapshots, once agreed
         self._step_times: list[float] = []
         self._last: float | None = None
@@ -167,12 +174,12 @@ class SnapshotPolicy:
             self._step_times.append(now - self._last)
         self._last = now
         if self.every is None:
-            return step == self.first
-        return (step - self.first) % self.every == 0
+            return self.first <= step <= self.measured
+        return (step - self.measured) % self.every == 0
 
     def taken(self, step: int, seconds: float) -> None:
-        """Called after the snapshot of `step` with its duration; the first one sets the interval."""
-        if self.every is not None:
+        """Called after the snapshot of `step` with its duration; the third one sets the interval."""
+        if self.every is not None or step != self.measured:
             return
         step_s = statistics.median(self._step_times) if self._step_times else seconds
         self.cost, _, self.every = young_interval(
