@@ -8,6 +8,7 @@ Each `FaultSpec` fires inside a rank, from the training hooks, at a chosen step:
 | `hang_rank`              | global rank `rank`                   | start of step `step`        | SIGSTOP itself (frozen)  |
 | `kill_during_checkpoint` | global rank `rank`                   | the commit of step `step`   | SIGKILL itself, after its shards are written and before the commit |
 | `slow_checkpoint`        | global rank `rank`                   | the commit of step `step`   | waits 5 s there: a save still being written (e.g. when a cancel arrives) |
+| `slow_steps`             | global rank `rank`                   | start of every step ≥ `step` | waits 0.2 s: a slower host, so a run outlasts a time limit however fast this one is |
 | `kill_agent`             | local rank 0 on node `node`          | start of step `step`        | SIGKILL its node agent   |
 
 `once` faults fire at most once per run, not once per process: a resumed run replays the steps
@@ -33,6 +34,7 @@ from training.run_dir import RunDir
 
 CHECKPOINT_FAULTS = ("kill_during_checkpoint", "slow_checkpoint")
 SLOW_CHECKPOINT_SECONDS = 5.0
+SLOW_STEP_SECONDS = 0.2
 
 
 class FaultHook:
@@ -51,7 +53,10 @@ class FaultHook:
 
     def on_step_start(self, step: int) -> None:
         for fault in self._mine:
-            if fault.kind not in CHECKPOINT_FAULTS and fault.step == step and self._claim(fault):
+            if fault.kind == "slow_steps":
+                if step >= fault.step:
+                    time.sleep(SLOW_STEP_SECONDS)  # every step, on every attempt: the host is slow
+            elif fault.kind not in CHECKPOINT_FAULTS and fault.step == step and self._claim(fault):
                 _fire(fault)
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ that the job's srun starts. A run waiting in Slurm's queue and cancels: tests/e2
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import subprocess
@@ -169,11 +170,16 @@ def test_a_job_at_its_time_limit_checkpoints_on_the_signal_and_its_requeued_job_
     slurm, signal_lead_of_5_s, alice, live_web, celery_worker_with_beat, tmp_path
 ):
     client = api(live_web, alice)
-    # 40 to 60 s of training on this 2-core host (0.1 to 0.15 s a step), more than one job of a
-    # 1-minute time limit holds. The only periodic checkpoint is the last step's, so any other
-    # was the signal's.
+    # At least 80 s of training (rank 0 waits 0.2 s at each step's start, however fast the host:
+    # on a quiet one the 400 steps alone took 26 s and finished inside the first job), more than
+    # one job of a 1-minute time limit holds. The only periodic checkpoint is the last step's, so
+    # any other was the signal's.
     steps = 400
-    spec = {"layout": {"dp": 2}, "train": {"steps": steps, "checkpoint_interval": steps, "global_batch": 4}}
+    spec = {
+        "layout": {"dp": 2},
+        "train": {"steps": steps, "checkpoint_interval": steps, "global_batch": 4},
+        "faults": [{"kind": "slow_steps", "rank": 0, "step": 1}],
+    }
     created = client.post("/api/runs/", json={"name": "time-limited", "spec": spec, "slurm": {"time_limit": "1"}})
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
@@ -218,5 +224,7 @@ def test_a_job_at_its_time_limit_checkpoints_on_the_signal_and_its_requeued_job_
     # Every step ran once, and the curve is an uninterrupted run's, bit for bit.
     losses = [(e["data"]["step"], e["data"]["loss"]) for e in events if e["kind"] == "metrics"]
     assert [step for step, _ in losses] == list(range(1, steps + 1))
-    reference = launch(RunSpec.from_json(run.run_dir.spec_file.read_text()), tmp_path / "uninterrupted", 600)
+    # (Without the slow steps: a wait changes no value, only the time the reference takes.)
+    uninterrupted = dataclasses.replace(RunSpec.from_json(run.run_dir.spec_file.read_text()), faults=[])
+    reference = launch(uninterrupted, tmp_path / "uninterrupted", 600)
     assert dict(losses) == step_values(reference)
