@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import s3fs
 
 from tools.s3_server import S3Server
 from tools.slurm_cluster import SlurmCluster
@@ -20,12 +21,21 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server.stop()
 
 
+def forget_s3_clients() -> None:
+    """Drops the S3 filesystems fsspec keeps per process: each took its endpoint and keys from the
+    environment when it was made, and another test's S3 server (the namespace tests' on their
+    bridge) may be gone by now."""
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 @pytest.fixture
-def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
     """The S3 server, with this process's (and the processes it starts') AWS variables pointing at it."""
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
-    return s3_server
+    forget_s3_clients()
+    yield s3_server
+    forget_s3_clients()
 
 
 @pytest.fixture(scope="session")

@@ -48,6 +48,7 @@ def s3_on_bridge(tmp_path: Path, monkeypatch) -> Iterator[tuple[netns.Network, S
             yield network, server
         finally:
             server.stop()
+            s3fs.S3FileSystem.clear_instance_cache()  # this process's clients name a server now gone
 
 
 @pytest.fixture
