@@ -127,7 +127,7 @@ def main() -> None:
     scheduler_s = statistics.median(scheduler) if scheduler else float("nan")
     print(f"started at {datetime.now():%Y-%m-%d %H:%M}; medians of {REPEATS}; logs in {logs}")
     print(
-        f"slurm_submit_to_first_step_s={slurm_s:.2f} hosts_submit_to_first_step_s={hosts_s:.2f} "
+        f"clock=wall slurm_submit_to_first_step_s={slurm_s:.2f} hosts_submit_to_first_step_s={hosts_s:.2f} "
         f"sbatch_to_job_start_s={scheduler_s:.2f} slurm_minus_hosts_minus_scheduler_s={slurm_s - hosts_s - scheduler_s:.2f}"
     )
 
