@@ -183,7 +183,7 @@ def main() -> None:
     print(f"claimed {len(claims)} of {devices} devices; {waiting} runs waiting with a reason")
     connection.close()
     print(
-        f"submit_to_first_step_s={first_step['two_hosts']:.2f} "
+        f"clock=wall submit_to_first_step_s={first_step['two_hosts']:.2f} "
         f"single_host_submit_to_first_step_s={first_step['single_host']:.2f} "
         f"schedule_pass_ms={timings[0]:.0f} repeat_pass_ms={timings[1]:.0f} double_booked={double_booked}"
     )
