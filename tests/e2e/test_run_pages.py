@@ -142,8 +142,17 @@ def test_a_run_launched_from_the_form_draws_its_loss_live_and_shows_the_restart_
     expect(rank1).to_contain_text("1 failure")
     expect(page.locator("#stat-restarts")).to_have_text("1")
     expect(page.locator("#stat-step")).to_have_text("8")
-    expect(page.locator('#timeline li[data-kind="resumed"]')).to_contain_text(f"step {resumed_from}")
-    expect(page.locator("#checkpoint-rows tr")).to_have_count(4)
+    # The ranks resume from the newest state every rank holds: that checkpoint, or a newer
+    # in-memory snapshot (taken at steps 2, 3 and 4 of the attempt), never past step 5.
+    resumed = page.locator('#timeline li[data-kind="resumed"]')
+    expect(resumed).to_contain_text(re.compile(r"step [2-5]\b"))
+    resumed_step = int(re.search(r"step (\d+)", resumed.inner_text()).group(1))
+    assert int(resumed_from) <= resumed_step <= 5, (resumed_from, resumed.inner_text())
+    # Steps 2, 6 and 8, and 4 when its background save committed before the kill: a run resumed
+    # from a newer in-memory snapshot does not save step 4 again.
+    rows = page.locator("#checkpoint-rows tr")
+    expect(rows.nth(2)).to_be_visible()
+    assert rows.count() in (3, 4), rows.all_inner_texts()
     expect(page.locator("#log-tail")).not_to_have_text("")
     expect(page.get_by_role("button", name="Cancel")).to_be_hidden()
     screenshot(page, "run-page.png")
