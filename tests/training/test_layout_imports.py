@@ -4,6 +4,7 @@ what the table allows (imports inside functions included)."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,5 +82,19 @@ def test_the_host_worker_imports_no_part_of_fathom_and_no_django() -> None:
     # node agent and the replica supervisor by module.
     parts = ("django", "platform", "controlplane", "runs", "deployments", "hosts", "training", "serving")
     assert offending("hostworker", (), parts) == {}
-    assert offending("training", (), ("hostworker",)) == {}
-    assert offending("serving", (), ("hostworker",)) == {}
+
+
+def test_of_the_host_worker_the_agent_and_the_supervisor_take_only_the_shipper() -> None:
+    # Both ship a folder a host keeps to itself by one append protocol (hostworker.shipper);
+    # the ranks' code ships nothing, and nothing else of the host worker (celery) is theirs.
+    wrong = offending("training", (), ("hostworker",))
+    assert {m: n for m, n in wrong.items() if not m.startswith("training/agent/")} == {}
+    assert offending("training/agent", ("hostworker.shipper",), ("hostworker",)) == {}
+    assert offending("serving", ("hostworker.shipper",), ("hostworker",)) == {}
+
+
+def test_the_shipper_takes_only_the_standard_library() -> None:
+    # Imported by the node agent and the supervisor, which have neither celery nor each other's
+    # dependencies, and it must not start the host worker's app by importing it.
+    names = imports_of(REPO / "hostworker")["hostworker/shipper.py"]
+    assert sorted(n for n in names if n.split(".")[0] not in sys.stdlib_module_names) == []
