@@ -115,25 +115,25 @@ class CheckpointPolicy:
     def _plan(self, step: int, extra: float) -> None:
         """Sets the next save's step from C (this save's cost) and M; same result on every rank."""
         self.save_cost, self.young_interval, steps = young_interval(
-            extra, statistics.median(self._step_times), step=step, attempt=self.attempt, distributed=self.distributed
+            extra, statistics.median(self._step_times), step=step, failures=self.attempt, distributed=self.distributed
         )
         self.next_step = step - 1 + steps
         self._saved_step = None
 
 
 def young_interval(
-    cost: float, step_s: float, *, step: int, attempt: int, distributed: bool, least_cost: float = 1e-4
+    cost: float, step_s: float, *, step: int, failures: int, distributed: bool, least_cost: float = 1e-4
 ) -> tuple[float, float, int]:
     """(C, τ in seconds, τ in steps) by Young's rule, from this rank's cost C of one save and its median
     step time, each the slowest rank's (one all-reduce), so every rank gets the same answer.
 
-    M is MTBF_PRIOR_S until the job's first restart, then its training time per restart so far.
+    M is MTBF_PRIOR_S until the first of the `failures` counted, then the training time per failure so far.
     """
     figures = torch.tensor([cost, step_s], dtype=torch.float64)
     if distributed:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     cost, step_s = float(figures[0]), max(float(figures[1]), 1e-6)
-    mtbf = MTBF_PRIOR_S if attempt == 0 else step * step_s / attempt
+    mtbf = MTBF_PRIOR_S if failures == 0 else step * step_s / failures
     # A cost measured as nothing (a background save that overlapped a step entirely) is not free.
     tau = min(MAX_INTERVAL_S, math.sqrt(2 * max(cost, least_cost) * mtbf))
     return cost, tau, max(1, round(tau / step_s))
@@ -151,15 +151,18 @@ class SnapshotPolicy:
 
     The same rule as the disk's, with the snapshot's own cost: every k steps, k from Young's
     τ = √(2·C·M), where C is what the attempt's third snapshot took (the slowest rank's) and M
-    the failure interval `CheckpointPolicy` learns. The first two are taken on consecutive steps
+    the interval between the failures these snapshots must cover: the run's training time per
+    restart that did not resume from a snapshot taken at the failure (`Trainer._snapshot_at_failure`:
+    a rank killed under plain data parallelism costs no replay whatever the interval), the prior
+    until there is one. The first two are taken on consecutive steps
     and not measured: each is the first copy into one of the two slots in this process, which
     faults the slot's pages in (measured at 2-3× the copy itself, `tiny`), and an interval from
     that would be √2-√3 too long. Agreed once per attempt by one all-reduce, so every rank
     snapshots the same steps.
     """
 
-    def __init__(self, *, first_step: int, attempt: int, distributed: bool) -> None:
-        self.attempt = attempt
+    def __init__(self, *, first_step: int, failures: int, distributed: bool) -> None:
+        self.failures = failures  # restarts so far that snapshots taken at the failure did not cover
         self.distributed = distributed
         self.first = first_step + FIRST_SNAPSHOT_STEPS
         self.measured = self.first + WARM_SNAPSHOT - 1  # the snapshot whose cost sets the interval
@@ -183,5 +186,5 @@ class SnapshotPolicy:
             return
         step_s = statistics.median(self._step_times) if self._step_times else seconds
         self.cost, _, self.every = young_interval(
-            seconds, step_s, step=step, attempt=self.attempt, distributed=self.distributed, least_cost=1e-5
+            seconds, step_s, step=step, failures=self.failures, distributed=self.distributed, least_cost=1e-5
         )

@@ -17,6 +17,12 @@ whole. The ranks snapshot on the same steps; at resume they agree on the newest 
 holds (one all-reduce), so a rank killed during a snapshot costs one interval, not the run.
 Snapshots are taken and read only by the same layout on the same world; a resized world resumes
 from disk.
+
+Besides the periodic snapshots, a rank whose collective fails (a peer died, or the agent killed
+a hung one) copies the state it still holds, that of the last step every rank finished, before
+it exits: just-in-time checkpointing (Gupta et al., EuroSys 2024). Where the state is replicated
+over dp, a rank that died reads that snapshot from a replica on the same host (`replicas`), so
+the restart loses at most the step that was under way instead of half a snapshot interval.
 """
 
 from __future__ import annotations
@@ -62,10 +68,14 @@ class MemorySnapshots:
         identity: dict[str, Any],
         parts: list[torch.nn.Module],
         optimizers: list[torch.optim.Optimizer],
+        replicas: list[int] | None = None,
     ) -> None:
         self.folder = folder
         self.directory = folder.memory_snapshot_dir
         self.rank = rank
+        # Ranks holding the same state as this one (this one first): a snapshot of any of them on
+        # this host restores this rank.
+        self.replicas = [rank, *(r for r in replicas or [] if r != rank)]
         self.identity = identity  # layout and world size: a snapshot is read back only under the same
         self.parts = parts
         self.optimizers = optimizers
@@ -77,8 +87,8 @@ class MemorySnapshots:
     def _data_file(self, slot: int) -> Path:
         return self.folder.memory_snapshot_data(self.rank, slot)
 
-    def _read_meta(self, slot: int) -> dict[str, Any] | None:
-        for path in self.folder.memory_snapshot_metas(self.rank, slot):
+    def _read_meta(self, slot: int, rank: int | None = None) -> dict[str, Any] | None:
+        for path in self.folder.memory_snapshot_metas(self.rank if rank is None else rank, slot):
             try:
                 with path.open("rb") as f:
                     meta: dict[str, Any] = pickle.load(f)
@@ -148,10 +158,25 @@ class MemorySnapshots:
         """The steps this rank holds a whole snapshot of."""
         return sorted(meta["step"] for slot in range(SLOTS) if (meta := self._read_meta(slot)) is not None)
 
-    def restore(self, step: int) -> dict[str, Any]:
-        """Puts the snapshot of `step` back into the parameters and optimizers; returns its `extra`."""
-        slot, meta = next((s, m) for s in range(SLOTS) if (m := self._read_meta(s)) is not None and m["step"] == step)
-        buffer = np.memmap(self._data_file(slot), dtype=np.uint8, mode="r")
+    def available(self) -> dict[int, int]:
+        """step → the rank whose whole snapshot of it this rank can restore: its own, else a
+        replica's on this host."""
+        found: dict[int, int] = {}
+        for rank in reversed(self.replicas):  # this rank's own last, so they win
+            for slot in range(SLOTS):
+                meta = self._read_meta(slot, rank)
+                if meta is not None:
+                    found[meta["step"]] = rank
+        return found
+
+    def restore(self, step: int, source: int | None = None) -> dict[str, Any]:
+        """Puts the snapshot of `step` (this rank's, or replica `source`'s) back into the parameters
+        and optimizers; returns its `extra`."""
+        source = self.rank if source is None else source
+        slot, meta = next(
+            (s, m) for s in range(SLOTS) if (m := self._read_meta(s, source)) is not None and m["step"] == step
+        )
+        buffer = np.memmap(self.folder.memory_snapshot_data(source, slot), dtype=np.uint8, mode="r")
         whole = torch.from_numpy(np.asarray(buffer))
         params = {
             (p_index, i): param for p_index, part in enumerate(self.parts) for i, param in enumerate(part.parameters())
@@ -176,7 +201,11 @@ class MemorySnapshots:
                         stride=param.stride(),
                     )
                 self.optimizers[part_index].state[param][name] = value
-        self._next_slot = (slot + 1) % SLOTS  # the next snapshot keeps this one
+        if source == self.rank:
+            self._next_slot = (slot + 1) % SLOTS  # the next snapshot keeps this one
+        else:  # the next snapshot writes over this rank's older snapshot, or an empty slot
+            held = {s: m["step"] if (m := self._read_meta(s)) is not None else -1 for s in range(SLOTS)}
+            self._next_slot = min(held, key=held.__getitem__)
         extra: dict[str, Any] = meta["extra"]
         return extra
 

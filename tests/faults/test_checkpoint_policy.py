@@ -67,7 +67,7 @@ def test_after_restarts_the_interval_follows_the_runs_own_failure_rate(clock: Cl
 
 
 def test_in_memory_snapshots_follow_youngs_rule_with_their_own_cost(clock: Clock) -> None:
-    policy = SnapshotPolicy(first_step=0, attempt=0, distributed=False)
+    policy = SnapshotPolicy(first_step=0, failures=0, distributed=False)
     taken = []
     for step in range(1, 400):
         clock.now += 0.1
@@ -83,7 +83,7 @@ def test_in_memory_snapshots_follow_youngs_rule_with_their_own_cost(clock: Clock
 
 
 def test_the_snapshot_interval_is_not_set_by_the_snapshots_that_fault_their_slots_in(clock: Clock) -> None:
-    policy = SnapshotPolicy(first_step=0, attempt=0, distributed=False)
+    policy = SnapshotPolicy(first_step=0, failures=0, distributed=False)
     for step in range(1, FIRST_SNAPSHOT_STEPS + 3):
         clock.now += 0.1
         if policy.due(step):

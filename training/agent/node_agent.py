@@ -117,6 +117,10 @@ class AgentConfig:
     restart_backoff_initial: float = 1.0
     restart_backoff_max: float = 30.0
     stack_dump_grace: float = 0.5  # time a hung rank gets to print its stacks before SIGKILL
+    # After a rank fails, the others' collectives break within milliseconds; each copies the state
+    # it holds into shared memory and exits (`Trainer._snapshot_at_failure`, ~5 ms on `tiny`).
+    # What has not exited by then is killed.
+    survivor_grace: float = 1.0
     cancel_grace: float = 30.0  # time ranks get to exit on SIGTERM when the run is cancelled
     # SIGTERM without the cancel marker means the scheduler is ending this job (Slurm), not that
     # the run is cancelled: report `stopped` so the control plane waits for the job to come back.
@@ -259,9 +263,13 @@ class NodeAgent(SimpleElasticAgent):
         self._standbys = []
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        # Restarts resume from the last committed checkpoint, so nothing in the ranks is worth
-        # waiting for; SIGKILL also ends ranks blocked in a collective or stopped.
+        # SIGKILL also ends ranks blocked in a collective or stopped.
         stop_ranks(self._ranks, sig=signal.SIGKILL, grace=0.0)
+
+    def _let_survivors_exit(self) -> None:
+        """A rank failed: the others exit on their own once they have snapshotted the state they
+        hold (their collectives with it broke); what is still running after the grace is killed."""
+        stop_ranks(self._ranks, sig=None, grace=self.config.survivor_grace)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         state = self._watchdog.check(self._ranks)
@@ -359,6 +367,7 @@ class NodeAgent(SimpleElasticAgent):
                 self._restarts_in_a_row += 1
                 self._remaining_restarts = self.plan.nodes.max_restarts - self._restarts_in_a_row
                 self._restarts += 1
+                self._let_survivors_exit()
                 self._restart("rank failed", self._backoff(progressed=self._progressed()))
             elif time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + self.config.membership_check_interval
@@ -385,6 +394,14 @@ class NodeAgent(SimpleElasticAgent):
                 rank.signal(signal.SIGCONT)  # a stopped process runs its signal handlers only once continued
         if hung:
             time.sleep(self.config.stack_dump_grace)
+            # The hung ranks go first; their peers, continued, find their collectives broken,
+            # snapshot the state they hold and exit (`_let_survivors_exit`).
+            for rank in self._ranks:
+                if rank.global_rank in hung:
+                    rank.signal(signal.SIGKILL)
+            for rank in self._ranks:
+                if rank.global_rank not in hung:
+                    rank.signal(signal.SIGCONT)
 
     def _non_retryable(self, failures: list[RankFailure]) -> Outcome | None:
         """The run's end when a failed rank reported an error that every restart would meet again."""

@@ -208,10 +208,13 @@ def _rank_process(slot: RankSlot, popen: subprocess.Popen[bytes]) -> RankProcess
     )
 
 
-def stop_ranks(ranks: list[RankProcess], *, sig: signal.Signals, grace: float) -> None:
-    """Sends `sig` to every rank, waits up to `grace` seconds, then SIGKILLs what is left."""
+def stop_ranks(ranks: list[RankProcess], *, sig: signal.Signals | None, grace: float) -> None:
+    """Sends `sig` to every rank (None: no signal, they are exiting on their own), waits up to
+    `grace` seconds, then SIGKILLs what is left."""
     live = [r for r in ranks if r.poll() is None]
     for rank in live:
+        if sig is None:
+            break
         rank.signal(sig)
         if sig != signal.SIGKILL:
             rank.signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued

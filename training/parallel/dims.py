@@ -83,6 +83,14 @@ class ParallelDims:
             rank //= sizes[name]
         return coords
 
+    def replicas(self, rank: int) -> list[int]:
+        """The ranks that hold the same parameters and optimizer state as `rank`: its dp peers
+        under plain data parallelism, none but itself when ZeRO/FSDP shards the state over dp."""
+        if not self.replicate_enabled:
+            return [rank]
+        coords = self.coordinates(rank)
+        return [r for r in range(self.world_size) if {**self.coordinates(r), "dp": coords["dp"]} == coords]
+
     def stage_ids(self, pp_rank: int) -> list[int]:
         """Pipeline stages on pp rank r: r, r+pp, r+2·pp, … (looped, as the interleaved schedule expects)."""
         return [pp_rank + i * self.pp for i in range(self.stages_per_rank)]
