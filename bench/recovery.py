@@ -210,6 +210,7 @@ def main() -> None:
         interval_s = statistics.median(gaps) * step_time if gaps else float("nan")
         restarts = sum(1 for e in events if e["kind"] == "restarting")
         from_memory = sum(1 for e in events if e["kind"] == "resumed" and e["data"].get("source") == "memory")
+        at_failure = sum(1 for e in events if e["kind"] == "resumed" and e["data"].get("at_failure"))
         failed = any(e["kind"] == "failed" for e in events)
     finally:
         if not args.keep:
@@ -224,7 +225,7 @@ def main() -> None:
     )
     print(
         f"step time (median): {step_time * 1000:.0f} ms; {restarts} restarts ({from_memory} resumed from in-memory "
-        f"snapshots), run {'FAILED' if failed else 'alive'}"
+        f"snapshots, {at_failure} of them taken at the failure), run {'FAILED' if failed else 'alive'}"
     )
     print(
         f"checkpoints: every {interval_s:.2f} s (median); a save cost the loop {save_cost * 1000:.0f} ms, so Young's "
@@ -251,7 +252,7 @@ def main() -> None:
         f"hang_timeout_s={timeout:.0f} recovery_s={max([*recovery, hang_recovery]):.2f} "
         f"effective_pct={effective * 100:.1f} baseline_pct={baseline * 100:.1f} "
         f"checkpoint_interval_s={interval_s:.2f} young_interval_s={young_s:.2f} restarts={restarts} "
-        f"resumed_from_memory={from_memory} lost_down_s={lost['down']:.1f} lost_replay_s={lost['replay']:.1f} "
+        f"resumed_from_memory={from_memory} resumed_at_failure={at_failure} lost_down_s={lost['down']:.1f} lost_replay_s={lost['replay']:.1f} "
         f"lost_between_steps_s={lost['between_steps']:.1f} "
         f"defaults=product"
     )
