@@ -124,15 +124,16 @@ class CheckpointPolicy:
 def young_interval(
     cost: float, step_s: float, *, step: int, failures: int, distributed: bool, least_cost: float = 1e-4
 ) -> tuple[float, float, int]:
-    """(C, τ in seconds, τ in steps) by Young's rule, from this rank's cost C of one save and its median
-    step time, each the slowest rank's (one all-reduce), so every rank gets the same answer.
+    """(C, τ in seconds, τ in steps) by Young's rule, from this rank's cost C of one save, its median
+    step time and the failures it counts, each the largest over the ranks (one all-reduce), so every
+    rank gets the same answer.
 
     M is MTBF_PRIOR_S until the first of the `failures` counted, then the training time per failure so far.
     """
-    figures = torch.tensor([cost, step_s], dtype=torch.float64)
+    figures = torch.tensor([cost, step_s, failures], dtype=torch.float64)
     if distributed:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    cost, step_s = float(figures[0]), max(float(figures[1]), 1e-6)
+    cost, step_s, failures = float(figures[0]), max(float(figures[1]), 1e-6), int(figures[2])
     mtbf = MTBF_PRIOR_S if failures == 0 else step * step_s / failures
     # A cost measured as nothing (a background save that overlapped a step entirely) is not free.
     tau = min(MAX_INTERVAL_S, math.sqrt(2 * max(cost, least_cost) * mtbf))

@@ -82,6 +82,20 @@ def test_in_memory_snapshots_follow_youngs_rule_with_their_own_cost(clock: Clock
     assert taken[:5] == [FIRST_SNAPSHOT_STEPS, third - 1, third, third + every, third + 2 * every]
 
 
+def test_the_snapshot_interval_plans_only_for_the_failures_that_snapshots_at_the_failure_did_not_cover(
+    clock: Clock,
+) -> None:
+    # Resumed at step 6000 after restarts of which 2 resumed from a periodic snapshot or from disk:
+    # M is ~600 s of training over those 2, whatever number of crashes a copy taken at the failure covered.
+    policy = SnapshotPolicy(first_step=6000, failures=2, distributed=False)
+    measured = 6000 + FIRST_SNAPSHOT_STEPS + 2
+    for step in range(6001, measured + 1):
+        clock.now += 0.1
+        if policy.due(step):
+            policy.taken(step, 0.002)
+    assert policy.every == round(math.sqrt(2 * 0.002 * (measured * 0.1 / 2)) / 0.1)
+
+
 def test_the_snapshot_interval_is_not_set_by_the_snapshots_that_fault_their_slots_in(clock: Clock) -> None:
     policy = SnapshotPolicy(first_step=0, failures=0, distributed=False)
     for step in range(1, FIRST_SNAPSHOT_STEPS + 3):

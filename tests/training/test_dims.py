@@ -43,6 +43,15 @@ def test_coordinates_put_tp_innermost_and_pp_outermost() -> None:
         dims.coordinates(8)
 
 
+def test_a_ranks_replicas_are_its_dp_peers_only_when_the_state_is_not_sharded_over_dp() -> None:
+    # What a rank that died may restore from: the snapshot of a rank holding the same state.
+    dims = ParallelDims(dp=2, tp=2, pp=2, world_size=8)
+    assert dims.replicas(0) == [0, 2]
+    assert dims.replicas(7) == [5, 7]
+    assert ParallelDims(dp=1, tp=2, pp=1, world_size=2).replicas(1) == [1]
+    assert ParallelDims(dp=2, tp=1, pp=1, world_size=2, zero=1).replicas(0) == [0]
+
+
 def test_interleaved_stages_are_looped_over_pipeline_ranks() -> None:
     dims = ParallelDims(dp=1, tp=1, pp=2, world_size=2, stages_per_rank=2)
     assert dims.num_stages == 4
