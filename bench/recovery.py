@@ -89,6 +89,19 @@ def _resumed_step_after(events: list[dict[str, Any]], moment: float) -> float | 
     return next((e["time"] for e in events if e["kind"] == "metrics" and e["seq"] > resumed["seq"]), None)
 
 
+def _trained_time(events: list[dict[str, Any]], faults: list[float]) -> list[dict[str, Any]]:
+    """The events with each step that a fault fell inside counted for a typical step's time (the
+    median), its start moved to match: a step that a hung rank finished once the agent continued
+    it for its stack dump took the whole hang, and that time is the fault's, not training's."""
+    typical = statistics.median(e["data"]["step_time"] for e in events if e["kind"] == "metrics")
+    out = []
+    for e in events:
+        if e["kind"] == "metrics" and any(e["time"] - e["data"]["step_time"] < f < e["time"] for f in faults):
+            e = {**e, "data": {**e["data"], "step_time": min(e["data"]["step_time"], typical)}}
+        out.append(e)
+    return out
+
+
 def _kept(events: list[dict[str, Any]], start: float, end: float) -> dict[int, float]:
     """step → step_time of the distinct steps finished in [start, end] (a replayed step counts once)."""
     kept: dict[int, float] = {}
@@ -102,11 +115,12 @@ def _effective(events: list[dict[str, Any]], start: float, end: float) -> float:
     return sum(_kept(events, start, end).values()) / (end - start)
 
 
-def _time_lost(events: list[dict[str, Any]], start: float, end: float) -> dict[str, float]:
+def _time_lost(events: list[dict[str, Any]], start: float, end: float, faults: list[float]) -> dict[str, float]:
     """Where the wall time in [start, end] that no kept step used went, in seconds:
 
     * `down`: from the end of the last step before each failure to the start of the first step
-      after it (detection, the hang's timeout, restart, resume);
+      after it (detection, the hang's timeout, restart, resume), or to the (typical) start of a
+      step that a fault fell inside and that finished after it;
     * `replay`: steps trained again after a restart (the work since the state resumed from);
     * `between_steps`: gaps between consecutive steps of one attempt (event writes, in-memory
       snapshots, a checkpoint's time on the training thread).
@@ -115,11 +129,11 @@ def _time_lost(events: list[dict[str, Any]], start: float, end: float) -> dict[s
     """
     steps = [e for e in events if e["kind"] == "metrics" and start <= e["time"] - e["data"]["step_time"] and e["time"] <= end]
     trained = sum(e["data"]["step_time"] for e in steps)
-    restarts = sorted(e["time"] for e in events if e["kind"] == "restarting")
+    interruptions = sorted([e["time"] for e in events if e["kind"] == "restarting"] + faults)
     down = between = 0.0
     for before, after in zip(steps, steps[1:], strict=False):
         gap = after["time"] - after["data"]["step_time"] - before["time"]
-        if bisect.bisect_left(restarts, before["time"]) < bisect.bisect_right(restarts, after["time"]):
+        if bisect.bisect_left(interruptions, before["time"]) < bisect.bisect_right(interruptions, after["time"]):
             down += gap
         else:
             between += gap
@@ -183,7 +197,8 @@ def main() -> None:
             agent.send_signal(signal.SIGTERM)
             agent.wait(timeout=120)
 
-        events = _events(run_dir)
+        step_time = statistics.median(e["data"]["step_time"] for e in _events(run_dir) if e["kind"] == "metrics")
+        events = _trained_time(_events(run_dir), [*kills, stopped])
         failures = [e for e in events if e["kind"] == "rank_failed"]
 
         def detected(after: float, reason: str) -> float:
@@ -195,10 +210,9 @@ def main() -> None:
         recovery = [(_resumed_step_after(events, k) or float("nan")) - k for k in kills]
         hang_recovery = (_resumed_step_after(events, hang_detected) or float("nan")) - hang_detected
         effective = _effective(events, start, end)
-        lost = _time_lost(events, start, end)
+        lost = _time_lost(events, start, end, [*kills, stopped])
         baseline_end = kills[0]
         baseline = _effective(events, start, baseline_end)
-        step_time = statistics.median(e["data"]["step_time"] for e in events if e["kind"] == "metrics")
         # Young's rule from this run's own figures: what a save cost the loop before any failure.
         saves = [e for e in events if e["kind"] == "checkpoint" and start <= e["time"] <= baseline_end]
         kept = _kept(events, start, baseline_end)
