@@ -342,9 +342,7 @@ class NodeAgent(SimpleElasticAgent):
                     code=ExitCode.SUCCEEDED, kind="succeeded", data={"step": self._latest_committed_step()}
                 )
             if state.failures:
-                # Root causes first: a rank that died or hung takes its peers' collectives down
-                # with it, and they exit with an error in the same instant.
-                failures = sorted(state.failures, key=lambda f: ("hung", "killed by signal", "exited").index(f.reason))
+                failures = self._root_causes(state.failures)
                 self._handle_failures(failures)
                 fatal = self._non_retryable(failures)
                 if fatal is not None:
@@ -376,6 +374,21 @@ class NodeAgent(SimpleElasticAgent):
                     # A node (re)joined: re-form the group with it; not a failure, costs no restart.
                     self._restart(f"{waiting} node(s) waiting to join", backoff=0.0)
 
+    def _root_causes(self, failures: list[RankFailure]) -> list[RankFailure]:
+        """The failures to act on and report, root causes first. A rank that died or hung takes
+        its peers' collectives down with it, and they exit with an error in the same instant
+        (after copying the state they hold); such an exit, seen beside a death or a hang, is its
+        consequence, not a failure of its own, unless the rank reported an error of its own."""
+        order = ("hung", "killed by signal", "exited")
+        failures = sorted(failures, key=lambda f: order.index(f.reason))
+        if all(f.reason == "exited" for f in failures):
+            return failures
+        return [f for f in failures if f.reason != "exited" or self._rank_error(f) is not None]
+
+    def _rank_error(self, failure: RankFailure) -> RankError | None:
+        rank = next(r for r in self._ranks if r.global_rank == failure.rank)
+        return RankError.read(rank.error_file) if failure.reason == "exited" else None
+
     def _handle_failures(self, failures: list[RankFailure]) -> None:
         hung = {f.rank for f in failures if f.reason == "hung"}
         if hung:
@@ -406,8 +419,7 @@ class NodeAgent(SimpleElasticAgent):
     def _non_retryable(self, failures: list[RankFailure]) -> Outcome | None:
         """The run's end when a failed rank reported an error that every restart would meet again."""
         for failure in failures:
-            rank = next(r for r in self._ranks if r.global_rank == failure.rank)
-            error = RankError.read(rank.error_file) if failure.reason == "exited" else None
+            error = self._rank_error(failure)
             if error is not None:
                 return Outcome(
                     code=ExitCode.FAILED,
