@@ -89,11 +89,10 @@ def _resumed_step_after(events: list[dict[str, Any]], moment: float) -> float | 
     return next((e["time"] for e in events if e["kind"] == "metrics" and e["seq"] > resumed["seq"]), None)
 
 
-def _trained_time(events: list[dict[str, Any]], faults: list[float]) -> list[dict[str, Any]]:
-    """The events with each step that a fault fell inside counted for a typical step's time (the
-    median), its start moved to match: a step that a hung rank finished once the agent continued
+def _trained_time(events: list[dict[str, Any]], faults: list[float], typical: float) -> list[dict[str, Any]]:
+    """The events with each step that a fault fell inside counted for `typical` seconds (the run's
+    median step), its start moved to match: a step that a hung rank finished once the agent continued
     it for its stack dump took the whole hang, and that time is the fault's, not training's."""
-    typical = statistics.median(e["data"]["step_time"] for e in events if e["kind"] == "metrics")
     out = []
     for e in events:
         if e["kind"] == "metrics" and any(e["time"] - e["data"]["step_time"] < f < e["time"] for f in faults):
@@ -197,8 +196,9 @@ def main() -> None:
             agent.send_signal(signal.SIGTERM)
             agent.wait(timeout=120)
 
-        step_time = statistics.median(e["data"]["step_time"] for e in _events(run_dir) if e["kind"] == "metrics")
-        events = _trained_time(_events(run_dir), [*kills, stopped])
+        events = _events(run_dir)
+        step_time = statistics.median(e["data"]["step_time"] for e in events if e["kind"] == "metrics")
+        events = _trained_time(events, [*kills, stopped], step_time)
         failures = [e for e in events if e["kind"] == "rank_failed"]
 
         def detected(after: float, reason: str) -> float:

@@ -212,12 +212,11 @@ def stop_ranks(ranks: list[RankProcess], *, sig: signal.Signals | None, grace: f
     """Sends `sig` to every rank (None: no signal, they are exiting on their own), waits up to
     `grace` seconds, then SIGKILLs what is left."""
     live = [r for r in ranks if r.poll() is None]
-    for rank in live:
-        if sig is None:
-            break
-        rank.signal(sig)
-        if sig != signal.SIGKILL:
-            rank.signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
+    if sig is not None:
+        for rank in live:
+            rank.signal(sig)
+            if sig != signal.SIGKILL:
+                rank.signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
     deadline = time.monotonic() + grace
     for rank in live:
         try:
