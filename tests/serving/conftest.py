@@ -4,6 +4,7 @@ deployments (a detached supervisor with real vLLM replicas, plus the standalone 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +92,16 @@ class RunningDeployment:
         return [r.url for r in state.replicas if r.phase == "ready" and r.url] if state else []
 
 
+ERROR_MARKS = re.compile(r"ERROR|Error|Fatal|died|Segmentation|core dumped")
+
+
+def _print_replica_errors(state_dir: Path, lines: int = 60) -> None:
+    """Print the last error lines of each replica's log, for pytest to show beside the failure."""
+    for log in sorted((state_dir / "logs").glob("replica-*.log")):
+        errors = [line for line in log.read_text(errors="replace").splitlines() if ERROR_MARKS.search(line)]
+        print(f"--- {log} (last {lines} error lines of {len(errors)})", *errors[-lines:], sep="\n")
+
+
 def start_deployment(
     tmp: Path,
     checkpoint: Path,
@@ -143,6 +154,9 @@ def start_deployment(
 
         wait_until(router_up, 60, "the router app")
         yield RunningDeployment(config=config, supervisor_pid=pid, router_url=router_url)
+    except BaseException:
+        _print_replica_errors(Path(config.state_dir))  # a replica's root cause is only in its log
+        raise
     finally:
         state = read_state(config.state_dir)
         request_stop(config.state_dir)
