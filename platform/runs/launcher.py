@@ -13,11 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import signal
 from pathlib import Path
 
 from django.conf import settings
+from django.utils.crypto import salted_hmac
 
 from controlplane.celery import app
 from controlplane.processes import flock_held, free_port, is_alive, start_detached
@@ -27,7 +27,7 @@ from training.run_dir import RunDir
 
 
 def prepare(run: Run) -> tuple[Path, str]:
-    """Writes the run's spec file; returns the folder and a fresh run token.
+    """Writes the run's spec file; returns the folder and the token of the run's current launch.
 
     The spec is written as it was stored at submit, resolved and checked (data paths included,
     filled in from the objects the run names): nothing here parses or changes it.
@@ -39,7 +39,15 @@ def prepare(run: Run) -> tuple[Path, str]:
     tmp = folder.spec_file.with_name(folder.spec_file.name + ".tmp")
     tmp.write_text(spec_text(run))
     tmp.replace(folder.spec_file)
-    return folder.path, secrets.token_urlsafe(32)
+    launch = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
+    return folder.path, launch_token(run.pk, launch)
+
+
+def launch_token(run_id: int, launch: int) -> str:
+    """The agents' token for one launch of a run: derived from the server's secret, not stored,
+    so that a launch's start tasks can be sent again (a broker that lost one) with the token the
+    agents already started hold. A new launch has a new token, which locks out the last one's."""
+    return salted_hmac("fathom.runs.launch-token", f"{run_id}:{launch}", algorithm="sha256").hexdigest()
 
 
 def spec_text(run: Run) -> str:
@@ -88,7 +96,7 @@ def start_on_hosts(run: Run) -> None:
     if len(nodes) > 1:
         first = nodes[0][0]
         send_to_host(first, "start_process", {
-            "key": f"run-{run.pk}-store", "module": "training.agent.rendezvous_store",
+            "key": store_key(run.pk), "module": "training.agent.rendezvous_store",
             "args": ["--endpoint", run.rendezvous, "--run-dir", str(run_dir.path)],
             "log": str(run_dir.rendezvous_store_log), **on_host,
         })  # fmt: skip
@@ -113,6 +121,11 @@ HOST_FOLDER = "{folder}"
 def agent_key(run_id: int, node: int) -> str:
     """How a host worker names the agent it runs for a run's node (its reports say the same)."""
     return f"run-{run_id}-node-{node}"
+
+
+def store_key(run_id: int) -> str:
+    """How a host worker names a run's rendezvous store."""
+    return f"run-{run_id}-store"
 
 
 def send_to_host(host: Host, task: str, kwargs: dict[str, object]) -> None:
@@ -153,6 +166,23 @@ def agents_alive(run: Run) -> bool:
         for host in Host.objects.exclude(status=Host.Status.LOST)
         for item in host.running
     )
+
+
+def missing_on_hosts(run: Run) -> list[str]:
+    """What the run's current launch should run on its hosts (its rendezvous store, one agent a
+    node) that no host says it runs: a start task the broker lost, or a process that died
+    before its agent reported."""
+    launch = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
+    nodes = sorted(set(DeviceClaim.objects.filter(run=run).values_list("node", flat=True)))
+    expected = [store_key(run.pk)] if len(nodes) > 1 else []
+    expected += [agent_key(run.pk, node) for node in nodes]
+    running = {
+        item.get("key")
+        for host in Host.objects.exclude(status=Host.Status.LOST)
+        for item in host.running
+        if item.get("launch") == launch
+    }
+    return [key for key in expected if key not in running]
 
 
 def has_local_agents(run: Run) -> bool:

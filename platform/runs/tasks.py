@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import shared_task
@@ -161,6 +161,8 @@ def reconcile_runs() -> int:
     active = Run.objects.filter(status__in=[Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING])
     for run in active.filter(slurm_job_id=""):
         if executor.state(run).alive:
+            if executor is executors.HOSTS and run.status == Run.Status.STARTING:
+                _start_what_hosts_lack(run, now)
             continue  # a live agent owns the run, however long its steps or checkpoints take
         quiet_for = now - (run.last_report_at or run.created_at)
         if run.status == Run.Status.STARTING and quiet_for <= LAUNCH_GRACE:
@@ -179,6 +181,19 @@ def reconcile_runs() -> int:
             executor.cancel(run, started=True)  # stop whatever is left, so no orphan keeps training
             failed += 1
     return failed
+
+
+def _start_what_hosts_lack(run: Run, now: datetime) -> None:
+    """A placed run whose agents came up on some hosts and not on others (the broker lost a
+    start task: a restart keeps nothing) would wait at its rendezvous until the join timeout
+    fails it. Its start tasks go again, as the same launch with the same token: a host starts
+    only what it does not run, and the agents already waiting stay in."""
+    placed_at = run.events.filter(kind="placed").order_by("-seq").values_list("time", flat=True).first()
+    if placed_at is None or now - placed_at <= LAUNCH_GRACE:
+        return
+    if missing := launcher.missing_on_hosts(run):
+        log.warning("run %s: no host runs %s; its start tasks are sent again", run.pk, ", ".join(missing))
+        executors.HOSTS.submit(run)
 
 
 @shared_task

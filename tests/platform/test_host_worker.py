@@ -6,6 +6,7 @@ network namespaces of their own."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -62,6 +63,27 @@ def test_a_host_keeps_a_runs_folder_under_its_own_data_folder_with_the_files_it_
     # The store watched this folder's agent locks (none) and left: it was given the folder itself.
     wait_until(lambda: not is_alive(pid), 120, "the store to leave")
     assert "no agent of the run is left" in (own / "logs" / "store.log").read_text()
+
+
+def test_a_start_delivered_twice_for_the_same_launch_starts_one_process(tmp_path: Path) -> None:
+    # The control plane sends a launch's start tasks again when a host lacks one of them (a broker
+    # that lost it); the hosts that did get them must not start a second store or agent.
+    config = HostConfig(
+        name="h", control_url="http://127.0.0.1:9", join_token="t", address="127.0.0.1", broker_url="filesystem://",
+        data_dir=tmp_path / "host-data", state_dir=tmp_path / "state", labels={}, cpu_slots=1, heartbeat_s=1.0,
+        python=sys.executable,
+    )  # fmt: skip
+    processes = Processes(config)
+    store = "training.agent.rendezvous_store"
+    args = ["--endpoint", f"127.0.0.1:{free_port()}", "--run-dir", "{folder}", "--start-grace-s", "60"]
+    first = processes.start("run-1-store", store, args, "{folder}/store.log", launch=1, folder="runs/1-x")
+    try:
+        assert first is not None
+        assert processes.start("run-1-store", store, args, "{folder}/store.log", launch=1, folder="runs/1-x") is None
+        assert processes.running() == [{"key": "run-1-store", "pid": first, "launch": 1}]
+    finally:
+        processes.stop("run-1-store", signal.SIGKILL)
+    wait_until(lambda: processes.running() == [], 30, "the store to be gone")
 
 
 pytestmark = pytest.mark.slow

@@ -323,6 +323,35 @@ def test_a_placed_run_whose_agents_never_started_is_sent_again_unless_it_was_can
     assert not DeviceClaim.objects.exists()
 
 
+def test_a_placed_run_that_one_host_never_got_the_start_of_gets_its_launch_sent_again(alice_api, two_hosts):
+    run_id = submit(alice_api, "half started", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [run_id]
+    sent = {kwargs["key"]: kwargs for _, kwargs in host_tasks("host.a") + host_tasks("host.b")}
+    # Host a started the store and node 0's agent (they wait at the rendezvous); host b's start
+    # task was lost, as a broker restart loses it.
+    purge_host_queues()
+    Host.objects.filter(name="a").update(
+        running=[{"key": key, "pid": 1, "launch": 1} for key in (f"run-{run_id}-store", f"run-{run_id}-node-0")]
+    )
+    reconcile_runs()
+    assert host_tasks("host.b") == []  # within the grace: its start may still be on its way
+    Run.objects.get(pk=run_id).events.filter(kind="placed").update(time=timezone.now() - LAUNCH_GRACE * 2)
+    reconcile_runs()
+    # The same launch again, with the token node 0's agent already holds: host b starts node 1,
+    # host a starts nothing new (a start it runs for that launch is a no-op there).
+    again = {kwargs["key"]: kwargs for _, kwargs in host_tasks("host.a") + host_tasks("host.b")}
+    assert again == sent
+    assert Run.objects.get(pk=run_id).launch_attempts == 1
+    token = next(arg for arg in sent[f"run-{run_id}-node-1"]["args"] if arg.startswith("--run-token="))
+    assert services.hash_token(token.removeprefix("--run-token=")) == Run.objects.get(pk=run_id).token_hash
+    # Once every host runs its part, nothing is sent.
+    purge_host_queues()
+    Host.objects.filter(name="b").update(running=[{"key": f"run-{run_id}-node-1", "pid": 1, "launch": 1}])
+    reconcile_runs()
+    assert host_tasks("host.a") == host_tasks("host.b") == []
+    assert Run.objects.get(pk=run_id).status == "starting"
+
+
 def test_the_database_refuses_a_device_given_twice(django_user_model):
     host = add_host("a", 1, "10.9.0.11")
     owner = django_user_model.objects.create(username="o")
