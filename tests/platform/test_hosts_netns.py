@@ -58,7 +58,7 @@ def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator
 @contextmanager
 def running_cluster(
     network: Network, alice, tmp_path: Path, monkeypatch, host_env: Callable[[int], dict[str, str]] = lambda i: {},
-    hidden: Path | None = None,
+    hidden: Path | None = None, host_lost_after: float = 6,
 ) -> Iterator[Cluster]:
     """The `cluster` fixture's cluster; `host_env(index)` adds to a host worker's environment;
     `hidden`: a folder each host worker (and all it starts) sees as an empty tmpfs of its own."""
@@ -69,7 +69,7 @@ def running_cluster(
     monkeypatch.setenv("CELERY_BROKER_URL", f"redis://{bridge}:{redis_port}/0")
     monkeypatch.setenv("ALLOWED_HOSTS", f"{bridge},127.0.0.1,localhost")
     monkeypatch.setenv("FATHOM_JOIN_TOKEN", TOKEN)
-    monkeypatch.setenv("FATHOM_HOST_LOST_AFTER", "6")
+    monkeypatch.setenv("FATHOM_HOST_LOST_AFTER", str(host_lost_after))
     monkeypatch.setenv("FATHOM_SCHEDULE_INTERVAL", "1")
     processes: list[subprocess.Popen] = []
     stoppers = []
@@ -289,3 +289,29 @@ def test_a_broker_restarted_while_a_launch_is_in_flight_starts_the_run_exactly_o
     assert started == [0, 1]
     assert list(run.events.filter(kind="metrics").values_list("data__step", flat=True)) == [1, 2, 3, 4]
     assert run.events.filter(kind="placed").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_task_the_broker_lost_for_one_host_is_sent_again_and_the_run_starts_once(
+    network, alice, tmp_path, monkeypatch
+):
+    # Host h1's worker is down while the run is placed (not yet lost: it was seen a moment ago),
+    # so its start task waits in the broker; h0 starts node 0's agent, which waits at the
+    # rendezvous. Then the broker restarts and keeps nothing: h1 comes back to an empty queue.
+    with running_cluster(network, alice, tmp_path, monkeypatch, host_lost_after=120) as cluster:
+        cluster.hosts[1].stop()
+        spec = {"layout": {"dp": 2}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 1}, "train": TRAIN}
+        run_id = submit(cluster, "half started", spec).json()["id"]
+
+        def node0_runs() -> bool:
+            return any(item["key"] == f"run-{run_id}-node-0" for item in Host.objects.get(name="h0").running)
+
+        wait_until(node0_runs, 120, "node 0's agent on h0")
+        cluster.broker.restart()
+        cluster.hosts[1].start()
+        run = wait_finished(run_id, timeout=300)
+        assert run.status == "succeeded", run.status_reason
+        started = sorted(run.events.filter(kind="agent_started").values_list("data__node", flat=True))
+        assert started == [0, 1]  # node 0's agent once: the same launch sent again started nothing there
+        assert list(run.events.filter(kind="metrics").values_list("data__step", flat=True)) == [1, 2, 3, 4]
+        assert run.events.filter(kind="placed").count() == 1 and run.launch_attempts == 1
