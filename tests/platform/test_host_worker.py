@@ -41,13 +41,18 @@ def test_cpu_slots_share_a_hosts_cores_equally_and_cycle_when_there_are_more_slo
     assert slot_cores([1], 2, [4, 5, 6, 7]) == [[6, 7]]  # the worker's own cores, whatever their ids
     assert slot_cores([2, 3], 4, [0, 1]) == [[0], [1]]
 
-def test_a_host_keeps_a_runs_folder_under_its_own_data_folder_with_the_files_it_was_sent(tmp_path: Path) -> None:
+def host_processes(tmp_path: Path) -> Processes:
+    """The process table of a host worker with its data and state under `tmp_path`."""
     config = HostConfig(
         name="h", control_url="http://127.0.0.1:9", join_token="t", address="127.0.0.1", broker_url="filesystem://",
         data_dir=tmp_path / "host-data", state_dir=tmp_path / "state", labels={}, cpu_slots=1, heartbeat_s=1.0,
         python=sys.executable,
     )  # fmt: skip
-    processes = Processes(config)
+    return Processes(config)
+
+
+def test_a_host_keeps_a_runs_folder_under_its_own_data_folder_with_the_files_it_was_sent(tmp_path: Path) -> None:
+    processes = host_processes(tmp_path)
     store = "training.agent.rendezvous_store"
     with pytest.raises(ValueError, match="folder must be a relative path inside"):
         processes.start("run-1-store", store, [], "{folder}/store.log", folder="../elsewhere")
@@ -68,12 +73,7 @@ def test_a_host_keeps_a_runs_folder_under_its_own_data_folder_with_the_files_it_
 def test_a_start_delivered_twice_for_the_same_launch_starts_one_process(tmp_path: Path) -> None:
     # The control plane sends a launch's start tasks again when a host lacks one of them (a broker
     # that lost it); the hosts that did get them must not start a second store or agent.
-    config = HostConfig(
-        name="h", control_url="http://127.0.0.1:9", join_token="t", address="127.0.0.1", broker_url="filesystem://",
-        data_dir=tmp_path / "host-data", state_dir=tmp_path / "state", labels={}, cpu_slots=1, heartbeat_s=1.0,
-        python=sys.executable,
-    )  # fmt: skip
-    processes = Processes(config)
+    processes = host_processes(tmp_path)
     store = "training.agent.rendezvous_store"
     args = ["--endpoint", f"127.0.0.1:{free_port()}", "--run-dir", "{folder}", "--start-grace-s", "60"]
     first = processes.start("run-1-store", store, args, "{folder}/store.log", launch=1, folder="runs/1-x")
