@@ -14,6 +14,7 @@ cost is about 0.5 µs (a 20,000-chunk stream: 0.4 µs per chunk bare, 0.9 µs ob
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -62,27 +63,40 @@ def _served_model_names() -> frozenset[str]:
     return frozenset(Deployment.objects.values_list("served_model_name", flat=True))
 
 
-class _DeploymentNames:
+class DeploymentNames:
     """Served model names that exist. A label only ever carries one of these, so a client that
     sends made-up model names cannot make a series per name."""
 
     def __init__(self) -> None:
         self._names: frozenset[str] = frozenset()
-        self._loaded_at = -math.inf
+        self._read_at = -math.inf
+        self._reading: asyncio.Task[None] | None = None
 
     async def known(self, name: str | None) -> str:
         if not name:
             return ""
-        if name not in self._names and time.monotonic() - self._loaded_at > NAMES_REFRESH_S:
-            self._loaded_at = time.monotonic()  # before the await: one reload for a burst
-            try:
-                self._names = await _served_model_names()
-            except Exception:  # a database hiccup costs a label, never the request
-                log.warning("could not read the served model names", exc_info=True)
+        if name not in self._names:
+            reading = self._reading
+            if reading is not None and (reading.done() or reading.get_loop() is not asyncio.get_running_loop()):
+                reading = None  # ended, or begun on an event loop that is gone (tests run several)
+            if reading is None and time.monotonic() - self._read_at > NAMES_REFRESH_S:
+                self._read_at = time.monotonic()
+                reading = self._reading = asyncio.ensure_future(self._read())
+            if reading is not None:
+                # Every answer that names a model not yet known waits for the one read under way
+                # (a burst costs one query), not only the answer that began it: the others would
+                # be counted under no deployment. Shielded: a request cut short ends no read.
+                await asyncio.shield(reading)
         return name if name in self._names else ""
 
+    async def _read(self) -> None:
+        try:
+            self._names = await _served_model_names()
+        except Exception:  # a database hiccup costs a label, never the request
+            log.warning("could not read the served model names", exc_info=True)
 
-DEPLOYMENT_NAMES = _DeploymentNames()
+
+DEPLOYMENT_NAMES = DeploymentNames()
 
 
 class _V1Exchange:

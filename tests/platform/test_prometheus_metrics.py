@@ -22,6 +22,7 @@ from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 from rest_framework.authtoken.models import Token
 
+from controlplane.observability_asgi import DeploymentNames
 from deployments.models import ApiKey, Deployment
 from runs.models import Checkpoint, Run
 from runs.tasks import export_checkpoint
@@ -224,3 +225,19 @@ def test_a_failed_task_and_a_deployment_without_replicas_count_as_errors(alice, 
     assert celery_worker.log.exists()
     records = [json.loads(line) for line in celery_worker.log.read_text().splitlines() if line.strip()]
     assert any("Traceback" in r.get("exception", "") for r in records if r["level"] == "ERROR")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_answers_that_end_while_the_served_names_are_read_carry_their_deployment_too(alice):
+    # The first answer naming a deployment not yet known reads the names from the database; the
+    # answers that end while that read is under way (a client's next requests, a burst) must
+    # wait for it, not be counted under no deployment. A made-up name stays unlabelled.
+    run = Run.objects.create(owner=alice, name="served", spec={})
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    Deployment.objects.create(owner=alice, name="m", checkpoint=checkpoint, served_model_name="metered")
+    names = DeploymentNames()
+
+    async def answers_ending_together() -> list[str]:
+        return await asyncio.gather(*(names.known(name) for name in ("metered", "metered", "metered", "made-up")))
+
+    assert asyncio.run(answers_ending_together()) == ["metered", "metered", "metered", ""]
