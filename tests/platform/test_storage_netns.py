@@ -242,7 +242,10 @@ def test_a_run_on_two_hosts_that_cannot_see_the_control_planes_folder_trains_exp
     assert cluster.api.post(f"/api/runs/{long_id}/cancel/").status_code == 200
     cancelled = wait_finished(long_id, timeout=180)
     assert cancelled.status == "cancelled", cancelled.status_reason
+    # The run is cancelled at the first node's report; the other's comes once its agent has
+    # stopped its ranks (they save first), a moment later.
     ends = cancelled.events.filter(kind__in=["succeeded", "failed", "cancelled"])
+    wait_until(lambda: ends.count() >= 2, 60, "both nodes' end events")
     outcomes = sorted(ends.values_list("source", "kind"))
     assert outcomes == [("node-0", "cancelled"), ("node-1", "cancelled")]
     placed = {n["node"]: int(n["host"][1:]) for n in cancelled.events.get(kind="placed").data["nodes"]}
