@@ -233,7 +233,9 @@ HOST_LOST_AFTER_SECONDS = env_float("FATHOM_HOST_LOST_AFTER", 15.0)
 # How often hosts are checked for silence and queued runs offered the free devices.
 SCHEDULE_INTERVAL_SECONDS = env_float("FATHOM_SCHEDULE_INTERVAL", 2.0)
 CELERY_BEAT_SCHEDULE["watch-hosts"] = {"task": "hosts.tasks.watch_hosts", "schedule": SCHEDULE_INTERVAL_SECONDS}
-# Ports a run's rendezvous store may take on its first host (each active run holds one).
+# Ports a run's rendezvous store may take on its first node, whatever the executor (each active
+# run holds one): below the kernel's ephemeral range, so no outgoing connection takes one
+# between the pick and the store's bind (training/ports.py).
 RENDEZVOUS_PORTS = range(env_int("FATHOM_RENDEZVOUS_PORT_MIN", 29400), env_int("FATHOM_RENDEZVOUS_PORT_MAX", 29999) + 1)
 
 # --- Executor: what starts a run's node agents (runs/executors.py) ------------------------------

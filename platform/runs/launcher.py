@@ -20,9 +20,10 @@ from django.conf import settings
 from django.utils.crypto import salted_hmac
 
 from controlplane.celery import app
-from controlplane.processes import flock_held, free_port, is_alive, start_detached
+from controlplane.processes import flock_held, is_alive, start_detached
 from hosts.models import DeviceClaim, Host
 from runs.models import Run
+from training.ports import listen_port
 from training.run_dir import RunDir
 
 
@@ -56,7 +57,7 @@ def spec_text(run: Run) -> str:
 
 def start_agents(run: Run, folder: Path, token: str) -> list[int]:
     run_dir = RunDir(folder)
-    rdzv = f"127.0.0.1:{free_port()}"
+    rdzv = f"127.0.0.1:{listen_port(settings.RENDEZVOUS_PORTS)}"
     store_args: list[str] = []
     if run.node_count > 1:
         # It leaves by itself once no agent of the run holds its lock; the agents only connect.

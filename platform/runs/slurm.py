@@ -4,7 +4,7 @@ through /etc/slurm or SLURM_CONF).
 
 A run is one job of `nodes.max` nodes, one task per node: the batch script runs on the job's
 first node, picks the rendezvous endpoint there (that node's address as Slurm knows it, a free
-port), starts the rendezvous store of a multi-node run beside itself, and `srun` starts
+port of settings.RENDEZVOUS_PORTS: training/ports.py), starts the rendezvous store of a multi-node run beside itself, and `srun` starts
 `slurm-agent.sh` once per node: that node's agent under its lock, told its node rank
 (SLURM_NODEID). Devices are Slurm's: the job asks for `--gpus-per-node` and the agents see the
 CUDA_VISIBLE_DEVICES Slurm sets. The job carries the run's name and launch number
@@ -175,7 +175,7 @@ export SLURM_EXPORT_ENV=ALL
 # The rendezvous is on the job's first node (this one), at its address as Slurm knows it.
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 address=$(scontrol show node "$first" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
-port=$({python} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+port=$({python} -m training.ports {settings.RENDEZVOUS_PORTS.start} {settings.RENDEZVOUS_PORTS.stop - 1})
 export FATHOM_RDZV="${{address:-$first}}:$port"
 echo "fathom: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous at $FATHOM_RDZV"
 {store}# Slurm signals the time limit {lead} s ahead of the kill (or up to a minute earlier). The ranks

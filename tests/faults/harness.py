@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import RunSpec, tiny
+from training.ports import RENDEZVOUS_PORTS, listen_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # Seconds an agent run may take before the test fails instead of hanging.
@@ -27,9 +27,10 @@ AGENT_TIMEOUT = 300.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a server or rendezvous a test starts: free now, and below the kernel's
+    ephemeral range, so no connection of the busy suite takes it before the server binds it
+    (training/ports.py). Apart from the product's rendezvous range, which its runs take."""
+    return listen_port(range(20000, RENDEZVOUS_PORTS.start))
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

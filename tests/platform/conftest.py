@@ -8,7 +8,6 @@ real web (uvicorn) and Celery processes against the test database, so tests that
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlplane.web import web_command
+from training.ports import RENDEZVOUS_PORTS, listen_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,9 +65,10 @@ def charlie_api(charlie) -> APIClient:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a server or rendezvous a test starts: free now, and below the kernel's
+    ephemeral range, so no connection of the busy suite takes it before the server binds it
+    (training/ports.py). Apart from the product's rendezvous range, which its runs take."""
+    return listen_port(range(20000, RENDEZVOUS_PORTS.start))
 
 
 def database_url() -> str:

@@ -14,6 +14,7 @@ import re
 import subprocess
 
 import pytest
+from django.conf import settings
 from rest_framework.authtoken.models import Token
 
 from runs.models import Run
@@ -103,6 +104,8 @@ def test_a_dp2_run_submitted_through_the_api_trains_as_a_slurm_job(slurm, alice,
     job_log = run.run_dir.slurm_log(job_id).read_text()
     endpoint = re.search(r"rendezvous at (\S+)", job_log).group(1)
     assert [e["rdzv_endpoint"] for e in events if e["kind"] == "agent_started"] == [endpoint]
+    # Its port is one of the rendezvous ports, below the range outgoing connections take theirs from.
+    assert int(endpoint.rsplit(":", 1)[1]) in settings.RENDEZVOUS_PORTS
     assert job_field(slurm, job_id, "JobName") == f"fathom-{run.folder.name}-L1"
     assert job_field(slurm, job_id, "NumCPUs") == "2"
     assert [job_field(slurm, job_id, f) for f in ("Partition", "Account", "TimeLimit")] == ["debug", "lab", "00:15:00"]

@@ -53,6 +53,7 @@ def test_the_agent_takes_from_the_root_only_the_contracts_it_shares_with_the_ran
         "training.agent", "training.config", "training.run_dir", "training.rank_environment", "training.heartbeat",
         # Torch-free: where the run's checkpoints are, read as the checkpointer reads them.
         "training.checkpoint_storage", "training.storage",
+        "training.ports",  # the rendezvous port of a one-node run started by hand
     )  # fmt: skip
     assert offending("training/agent", shared, ("training",)) == {}
 
@@ -68,6 +69,8 @@ def test_the_control_plane_takes_from_training_only_the_config_the_planner_the_r
         "training.storage", "training.checkpoint_storage",
         # Torch-free: a pretrained folder's model, checked at registration and resolved at submit.
         "training.pretrained",
+        # Stdlib only: the rendezvous port of a run on this machine.
+        "training.ports",
     )  # fmt: skip
     assert offending("platform", allowed, ("training",)) == {}
 

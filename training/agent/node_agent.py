@@ -76,6 +76,7 @@ from training.agent.watchdog import RankFailure, Watchdog, WatchdogConfig
 from training.checkpoint_storage import latest_committed_step
 from training.config import NodePlan
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
+from training.ports import listen_port
 from training.rank_environment import RankEnvironment, RankError
 from training.run_dir import NodeDir, RunDir
 
@@ -561,12 +562,6 @@ def _is_loopback(endpoint: str) -> bool:
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _build(args: argparse.Namespace, plan: NodePlan) -> tuple[AgentConfig, Reporter, NodeAgent]:
     run_dir = args.run_dir.resolve()
     single = args.rdzv_endpoint is None
@@ -574,7 +569,7 @@ def _build(args: argparse.Namespace, plan: NodePlan) -> tuple[AgentConfig, Repor
         run_dir=run_dir,
         spec_file=args.spec.resolve(),
         node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=args.rdzv_endpoint or f"127.0.0.1:{listen_port()}",
         host_store=args.host_store == "yes" or (args.host_store == "auto" and (single or args.node_rank == 0)),
         # All agents of a run on one machine (a loopback endpoint) reach each other on loopback;
         # elsewhere the host's FQDN is what torch advertises unless --local-addr says otherwise.
