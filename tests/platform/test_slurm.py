@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import subprocess
+import time
 
 import pytest
 from django.conf import settings
@@ -187,14 +188,24 @@ def test_a_job_at_its_time_limit_checkpoints_on_the_signal_and_its_requeued_job_
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
 
+    requeue_seen_at: float | None = None
+
     def finished_starting_requeued_jobs_now() -> bool:
+        nonlocal requeue_seen_at
         run = client.get(f"/api/runs/{run_id}/").json()
         if run["status"] == "restarting" and run["status_reason"].startswith("requeued by Slurm"):
-            # Slurm holds a requeued job 2 minutes before it may start again.
-            subprocess.run(
-                ["scontrol", "update", f"JobId={run['slurm_job_id']}", "StartTime=now"],
-                capture_output=True, env=dict(os.environ, **slurm.env()),
-            )  # fmt: skip
+            requeue_seen_at = requeue_seen_at or time.monotonic()
+            # Slurm holds a requeued job 2 minutes before it may start again (its slurmd keeps the
+            # last start's credential revoked meanwhile). The test starts it 2 s after the requeue:
+            # one started within the same second was killed ("Job credential revoked") and the
+            # job ended FAILED.
+            if time.monotonic() - requeue_seen_at >= 2:
+                subprocess.run(
+                    ["scontrol", "update", f"JobId={run['slurm_job_id']}", "StartTime=now"],
+                    capture_output=True, env=dict(os.environ, **slurm.env()),
+                )  # fmt: skip
+        else:
+            requeue_seen_at = None
         return run["status"] in ("succeeded", "failed", "cancelled")
 
     wait_until(finished_starting_requeued_jobs_now, 900, "the run to finish")
