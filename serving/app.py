@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,22 @@ def create_app(gateway: Gateway) -> ASGIApp:
     return app
 
 
+def relay_scheduling() -> None:
+    """Schedule this process (and the threads it starts later) as Linux's SCHED_BATCH.
+
+    A relay is woken for every request and every token event it passes on. Under the default
+    policy each wakeup preempts whatever runs on its core (a client, a Celery task, Postgres), so
+    a burst becomes a ping-pong of context switches in which neither side gets far: in
+    bench.serving's burst of 100 chats, with the client on the relay's core, the relay's
+    forwards reached vLLM spread over 17–38 ms against the client's own 4–13 ms, and first tokens
+    came 30–60% later than direct. A batch task is not run ahead of the running task at wakeup:
+    it runs at the next switch (the running task blocks or its slice of a few ms ends) and then
+    relays everything that arrived meanwhile in one go. Its share of the CPU is unchanged (nice
+    0); on a core of its own nothing changes. A no-op where the policy does not exist."""
+    if hasattr(os, "SCHED_BATCH"):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+
 def app_for_deployment(state_dir: str | Path) -> ASGIApp:
     """An app routing to the deployment whose supervisor writes to `state_dir`."""
     from serving.supervisor import DeploymentConfig
@@ -136,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    relay_scheduling()
     uvicorn.run(
         app_for_deployment(args.state_dir),
         host=args.host,

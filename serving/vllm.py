@@ -46,6 +46,9 @@ Quantization = Literal["none", "int8_weight_only", "int8_w8a8", "fp8", "int4"]
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# How long a replica keeps an idle HTTP connection open (vLLM's default is 5 s): longer than the
+# router keeps its own (serving.router.Timeouts.keepalive_s), so the router closes first.
+REPLICA_KEEPALIVE_S = 75
 # "auto" pins vLLM's engine threads per NUMA node; "nobind" leaves placement to the OS; or a
 # list of core ids such as "0-3,8".
 _CPU_BIND = re.compile(r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$")
@@ -460,6 +463,7 @@ def replica_launch(
         "VLLM_CACHE_ROOT": str(state / "vllm-cache"),
         "TMPDIR": str(replica_tmpdir(state)),
         "PYTHONUNBUFFERED": "1",  # log lines reach the replica's log file as they happen
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(REPLICA_KEEPALIVE_S),
     }
     if options.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(options.kv_cache_gib)

@@ -45,6 +45,9 @@ def hold_sqlite_wal_open() -> None:
 
 def web_application() -> Any:
     """The ASGI application as the web process serves it (`uvicorn --factory`)."""
+    from serving.app import relay_scheduling
+
+    relay_scheduling()  # before any thread starts, so Django's database threads inherit it
     from controlplane.asgi import application
 
     hold_sqlite_wal_open()

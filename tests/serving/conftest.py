@@ -82,6 +82,7 @@ class RunningDeployment:
     config: DeploymentConfig
     supervisor_pid: int
     router_url: str  # the standalone router app (serving.app) in front of the replicas
+    router_pid: int
 
     @property
     def state_dir(self) -> Path:
@@ -153,7 +154,7 @@ def start_deployment(
                 return False
 
         wait_until(router_up, 60, "the router app")
-        yield RunningDeployment(config=config, supervisor_pid=pid, router_url=router_url)
+        yield RunningDeployment(config=config, supervisor_pid=pid, router_url=router_url, router_pid=router.pid)
     except BaseException:
         _print_replica_errors(Path(config.state_dir))  # a replica's root cause is only in its log
         raise

@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +20,10 @@ import openai
 import pytest
 
 from serving.metrics import histogram_quantile, parse_prometheus, poll, rates_between, scrape
+from serving.router import Timeouts
 from serving.state import read_events, read_state
 from serving.supervisor import request_stop
-from serving.vllm import ReplicaOptions
+from serving.vllm import REPLICA_KEEPALIVE_S, ReplicaOptions
 from tests.serving.conftest import RunningDeployment, process_alive, start_deployment, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -117,6 +120,27 @@ async def test_chat_and_completions_work_through_the_router_with_the_openai_clie
     completion = await client.completions.create(model="tiny", prompt="a dog finds", max_tokens=8, temperature=0)
     assert completion.choices[0].text
     await client.close()
+
+
+def test_a_replica_keeps_an_idle_connection_open_past_vllms_own_5_s(deployment: RunningDeployment) -> None:
+    """The router keeps idle connections to replicas for a while (a burst after a quiet spell
+    then connects nothing); the replica must keep them longer, or the router would reuse
+    connections the replica is closing. vLLM's own default closes them after 5 s."""
+    assert REPLICA_KEEPALIVE_S > Timeouts().keepalive_s
+    host, port = deployment.ready_urls()[0].removeprefix("http://").rsplit(":", 1)
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(request)
+        assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(7)
+        connection.sendall(request)
+        assert connection.recv(4096).startswith(b"HTTP/1.1 200"), "the replica closed the idle connection"
+
+
+def test_the_router_runs_as_a_batch_task(deployment: RunningDeployment) -> None:
+    """serving.app.relay_scheduling: the router does not preempt the task running on its core
+    at every request and token event it is woken for."""
+    assert os.sched_getscheduler(deployment.router_pid) == os.SCHED_BATCH
 
 
 async def test_errors_reach_the_openai_client_as_its_usual_exceptions(deployment: RunningDeployment) -> None:

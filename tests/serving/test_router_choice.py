@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -152,7 +153,7 @@ async def test_a_real_refused_connection_is_a_failover_not_an_error() -> None:
 
 
 def test_the_state_file_source_lists_only_ready_replicas_and_follows_changes(tmp_path: Path) -> None:
-    source = StateFileReplicas(tmp_path)
+    source = StateFileReplicas(tmp_path, rescan_s=0)
     assert source.endpoints() == []
 
     def write(phases: list[Phase], stopping: bool = False) -> None:
@@ -168,10 +169,25 @@ def test_the_state_file_source_lists_only_ready_replicas_and_follows_changes(tmp
     assert source.endpoints() == []
 
 
+def test_the_state_file_source_looks_at_its_folder_at_most_every_rescan_interval(tmp_path: Path) -> None:
+    def write(url: str) -> None:
+        replicas = [ReplicaState(index=0, url=url, phase="ready")]
+        state = DeploymentState(deployment="tiny", supervisor_pid=1, updated_at=0.0, stopping=False, replicas=replicas)
+        write_state(DeploymentDir(tmp_path), state)
+
+    write("http://127.0.0.1:9000")
+    source = StateFileReplicas(tmp_path, rescan_s=0.3)
+    assert [e.url for e in source.endpoints()] == ["http://127.0.0.1:9000"]
+    write("http://127.0.0.1:9001")  # a restarted replica, on a new port
+    assert [e.url for e in source.endpoints()] == ["http://127.0.0.1:9000"]  # within the interval
+    time.sleep(0.35)
+    assert [e.url for e in source.endpoints()] == ["http://127.0.0.1:9001"]
+
+
 def test_a_deployment_on_several_hosts_is_read_as_one_from_its_supervisors_folders(tmp_path: Path) -> None:
     """One supervisor per host, each writing its own folder under hosts/: the router routes to the
     ready replicas of all of them, and follows each supervisor's changes."""
-    source = StateFileReplicas(tmp_path)
+    source = StateFileReplicas(tmp_path, rescan_s=0)
 
     def write(host: str, first: int, phases: list[Phase], stopping: bool = False) -> None:
         replicas = [
