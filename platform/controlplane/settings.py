@@ -26,6 +26,7 @@ from controlplane.env import (
 from runs.slurm_options import SlurmOptionError
 from runs.slurm_options import check as check_slurm_options
 from runs.slurm_options import check_signal_lead as check_slurm_signal_lead
+from training.ports import RENDEZVOUS_PORTS as DEFAULT_RENDEZVOUS_PORTS
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FRONTEND_DIR = REPO_DIR / "frontend"
@@ -236,7 +237,10 @@ CELERY_BEAT_SCHEDULE["watch-hosts"] = {"task": "hosts.tasks.watch_hosts", "sched
 # Ports a run's rendezvous store may take on its first node, whatever the executor (each active
 # run holds one): below the kernel's ephemeral range, so no outgoing connection takes one
 # between the pick and the store's bind (training/ports.py).
-RENDEZVOUS_PORTS = range(env_int("FATHOM_RENDEZVOUS_PORT_MIN", 29400), env_int("FATHOM_RENDEZVOUS_PORT_MAX", 29999) + 1)
+RENDEZVOUS_PORTS = range(
+    env_int("FATHOM_RENDEZVOUS_PORT_MIN", DEFAULT_RENDEZVOUS_PORTS.start),
+    env_int("FATHOM_RENDEZVOUS_PORT_MAX", DEFAULT_RENDEZVOUS_PORTS.stop - 1) + 1,
+)
 
 # --- Executor: what starts a run's node agents (runs/executors.py) ------------------------------
 
