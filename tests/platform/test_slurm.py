@@ -114,6 +114,29 @@ def test_a_dp2_run_submitted_through_the_api_trains_as_a_slurm_job(slurm, alice,
     assert client.get(f"/api/runs/{run_id}/").json()["slurm_job_id"] == job_id
 
 
+def wait_for_run(client, run_id: int, cluster, job_id: str, predicate, timeout: float, what: str) -> None:
+    """wait_until on the run as the API shows it; a timeout says what the run and Slurm's job
+    were at the end, and what slurmctld logged of the job."""
+    last: dict = {}
+
+    def check() -> bool:
+        last.update(client.get(f"/api/runs/{run_id}/").json())
+        return predicate(last)
+
+    try:
+        wait_until(check, timeout, what)
+    except AssertionError as exc:
+        fields = {"status", "status_reason", "step", "slurm_job_id"}
+        job = subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True, env=dict(os.environ, **cluster.env())
+        ).stdout.split()  # fmt: skip
+        said = (cluster.state / "log" / "slurmctld.log").read_text().splitlines()
+        run = {k: v for k, v in last.items() if k in fields}
+        slurm_job = " ".join(w for w in job if w.split("=")[0] in ("JobState", "Reason", "Restarts", "EligibleTime"))
+        logged = " | ".join([line for line in said if f"JobId={job_id}" in line][-12:])
+        raise AssertionError(f"{exc}; the run: {run}; Slurm: {slurm_job}; slurmctld: {logged}") from None
+
+
 def scontrol(cluster, *args: str) -> None:
     subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True, env=dict(os.environ, **cluster.env()))
 
@@ -139,8 +162,10 @@ def test_a_job_slurm_requeues_resumes_the_run_from_its_checkpoint_on_the_same_lo
     # As a preemption or a node failure that Slurm reports does: SIGTERM to the job's processes
     # (the agents stop), and back to the queue.
     scontrol(slurm, "requeue", job_id)
+    # Slurm lists the job as pending once every process of it has exited (SIGKILL after KillWait,
+    # 10 s), and holds it there 2 minutes: the wait may take all but the end of that hold.
     requeued = f"requeued by Slurm: Slurm job {job_id} pending"
-    wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status_reason"].startswith(requeued), 60, "the requeue")
+    wait_for_run(client, run_id, slurm, job_id, lambda r: r["status_reason"].startswith(requeued), 110, "the requeue")
     assert client.get(f"/api/runs/{run_id}/").json()["status"] == "restarting"
     scontrol(slurm, "update", f"JobId={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 minutes
     wait_until(lambda: client.get(f"/api/runs/{run_id}/").json()["status"] == "succeeded", 300, "the run to succeed")
