@@ -13,9 +13,17 @@ process, as `make run` starts it, with an API key). Two loads, each timed on the
   as many users pressing send together (more than the replica batches at once, so some queue).
 
 It prints output tokens/s and TTFT p50 for each way and load, and the routed ÷ direct ratios
-(median of the per-round ratios). Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of
+(median of the per-round ratios; each round starts with the next way). A burst's TTFT p50 swings
+from one burst to the next, as the replica's first batches form from whichever requests have
+arrived (direct alone: 400 to 1,000 ms in one run), so the burst's per-round ratios are printed
+beside their median. Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of
 `concurrency` left-padded prompts, greedy) on the same checkpoint gives the vLLM ÷ transformers
 ratio.
+
+The client is aiohttp, one new connection per request, and parses every event it receives, as a
+chat client does. Its CPU per burst is printed: on the routers' core, that is CPU the routed ways
+lose and the direct way does not, so the lighter the client, the nearer the ratios are to what
+the routers alone cost.
 
 Placement: the replica gets the upper half of the cores, the client and the routers the lower
 half, as in a real deployment where the control plane does not run on the accelerator host. On a
@@ -41,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from serving.state import read_state
@@ -86,7 +95,9 @@ def _wait(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-un
         time.sleep(0.5)
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, chat: bool = False) -> tuple[float, int]:
+async def _one(
+    client: aiohttp.ClientSession, url: str, prompt: str, tokens: int, chat: bool = False
+) -> tuple[float, int]:
     """Stream one completion (a chat completion with `chat`); return (time to first token,
     output tokens)."""
     body: dict[str, object] = {
@@ -104,12 +115,10 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, ch
     start = time.perf_counter()
     ttft = float("nan")
     produced = 0
-    async with client.stream(
-        "POST", f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body
-    ) as response:
+    async with client.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in response.content:  # one server-sent-event line at a time
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             event = json.loads(line[6:])
             if event.get("choices") and ttft != ttft:
@@ -121,12 +130,14 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, ch
     return ttft, produced
 
 
-def _client(key: str) -> httpx.AsyncClient:
-    """No keep-alive: httpcore 1.0.9 would run concurrent requests over one reused connection one
-    at a time."""
-    return httpx.AsyncClient(
-        timeout=600,
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+def _client(key: str) -> aiohttp.ClientSession:
+    """A new connection for each request, as separate users open theirs. aiohttp, as vLLM's own
+    serving benchmark uses: the client shares its core with the routers (see Placement), and
+    httpx spent 2.5x aiohttp's CPU on the same burst (1.6-1.9 s against 0.6-0.7 s for 100 chats
+    of 64 tokens), CPU the routed ways then lacked and the direct way did not."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
+        timeout=aiohttp.ClientTimeout(total=600),
         headers={"Authorization": f"Bearer {key}"} if key else {},
         trust_env=False,
     )
@@ -189,6 +200,7 @@ class Way:
     rounds: list[tuple[float, float]] = field(default_factory=list)  # closed loop: (tokens/s, TTFT p50 s)
     bursts: list[tuple[float, float]] = field(default_factory=list)  # the same, per burst
     router_cpu_s: float = 0.0  # in the closed loop
+    client_cpu_s: float = 0.0  # the bench's own, in the bursts: CPU the routers' core lends the client
 
     def tok_s(self, burst: bool = False) -> float:
         return statistics.median(t for t, _ in (self.bursts if burst else self.rounds))
@@ -322,14 +334,19 @@ def main() -> None:
         for way in ways:  # warm-up: vLLM's first batches are slow, and each server's first request
             asyncio.run(_load(way.url, args.concurrency, 8, args.concurrency, way.key))
             asyncio.run(_burst(way.url, 4, 8, way.key))  # and its first chat (the template compiles)
-        for _ in range(args.rounds):  # in turn, so drift on a shared machine hits every way alike
-            for way in ways:
+        for round_index in range(args.rounds):
+            # In turn, so drift on a shared machine hits every way alike, and each round starts
+            # with the next way, so no way always follows the same one.
+            turn = ways[round_index % len(ways) :] + ways[: round_index % len(ways)]
+            for way in turn:
                 cpu_before = _cpu_seconds(way.router_pid) if way.router_pid else 0.0
                 way.rounds.append(asyncio.run(_load(way.url, args.concurrency, args.tokens, requests, way.key)))
                 if way.router_pid:
                     way.router_cpu_s += _cpu_seconds(way.router_pid) - cpu_before
-            for way in ways:
+            for way in turn:
+                cpu_before = time.process_time()
                 way.bursts.append(asyncio.run(_burst(way.url, args.burst, args.tokens, way.key)))
+                way.client_cpu_s += time.process_time() - cpu_before
     finally:
         request_stop(config.state_dir)
         for server in routers:
@@ -362,10 +379,14 @@ def main() -> None:
         print(line)
     print(f"burst: {args.burst} streamed chats of {args.tokens} tokens sent together, one burst per way and round")
     for way in ways:
-        line = f"{way.name:>18}: {way.tok_s(burst=True):,.0f} tok/s, TTFT p50 {way.ttft_ms(burst=True):.1f} ms"
+        line = (
+            f"{way.name:>18}: {way.tok_s(burst=True):,.0f} tok/s, TTFT p50 {way.ttft_ms(burst=True):.1f} ms, "
+            f"client CPU {way.client_cpu_s * 1000 / args.rounds:.0f} ms per burst"
+        )
         if way.router_pid:
             tps_ratio, ttft_ratio = way.over(direct, burst=True)
-            line += f"; ÷ direct: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f}"
+            each = ", ".join(f"{mine[1] / theirs[1]:.2f}" for mine, theirs in zip(way.bursts, direct.bursts, strict=True))
+            line += f"; ÷ direct: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f} (the rounds': {each})"
         print(line)
     print(f"transformers.generate (batch {args.concurrency}, OMP_NUM_THREADS=1): {hf_tps:,.0f} tok/s")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
