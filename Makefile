@@ -56,9 +56,10 @@ lint: venv
 types: venv
 	$(BIN)/mypy training serving hostworker platform
 
-# The whole suite on the embedded default (SQLite, filesystem broker, in-memory channel layer).
+# The whole suite on the embedded default (SQLite, filesystem broker, in-memory channel layer),
+# ending with its 30 slowest tests: the suite should take ~45 minutes here.
 test-embedded: venv
-	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q
+	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q --durations=30
 
 # The control-plane tests again on PostgreSQL + Redis: every API, database and channel-layer test,
 # and the run lifecycle end to end (marked `services`). The other slow ones (namespace hosts, Slurm,
