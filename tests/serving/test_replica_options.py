@@ -186,6 +186,15 @@ def test_int4_on_cpu_is_refused_in_float32_which_its_kernel_lacks(tmp_path: Path
     check_compatible(ReplicaOptions(device="cuda", quantization="int4", dtype="float32"), ckpt, AMPERE)
 
 
+def test_int4_on_an_avx2_cpu_is_refused_since_vllms_avx2_build_lacks_its_kernel(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path, quant=GPTQ4)
+    avx2 = DeviceInfo(kind="cpu", cpu_flags=frozenset({"avx", "avx2", "fma"}))
+    error = error_of(check_compatible, ReplicaOptions(quantization="int4", dtype="bfloat16"), ckpt, avx2)
+    assert error.field == "quantization" and "needs AVX-512" in error.message and "'int8_w8a8'" in error.message
+    arm = DeviceInfo(kind="cpu")  # no x86 flags: vLLM has the final word
+    check_compatible(ReplicaOptions(quantization="int4", dtype="bfloat16"), ckpt, arm)
+
+
 def test_a_quantized_checkpoint_must_be_declared(tmp_path: Path) -> None:
     error = error_of(check_compatible, ReplicaOptions(), write_checkpoint(tmp_path, quant=GPTQ4), CPU)
     assert error.field == "quantization"
