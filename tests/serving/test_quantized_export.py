@@ -40,8 +40,6 @@ PROMPTS = generated_text(32, seed=1234)
 # order) parts from the float model far more often and at confident positions.
 MIN_TOP1 = {"int8": 0.97, "int4": 0.93}
 HOST = DeviceInfo.local_cpu()
-# vLLM's CPU build has its 4-bit kernel only for AVX-512 (serving.vllm refuses int4 elsewhere).
-INT4_SERVES = "avx512f" in HOST.cpu_flags
 TIE_NATS = 1.0
 OPTIONS = ReplicaOptions(max_model_len=256, max_num_seqs=4, enforce_eager=True, dtype="float32")
 
@@ -97,7 +95,7 @@ async def test_int8_and_int4_exports_made_by_llmcompressor_serve_on_cpu_close_to
         assert summary["bytes"] == folder_size(out) < folder_size(tiny_checkpoint)
         assert CheckpointInfo.read(out).quant == served_as
 
-        if scheme == "int4" and not INT4_SERVES:
+        if scheme == "int4" and not HOST.has_cpu_int4_kernel:
             # On an AVX2 host a user gets the refusal, before any replica starts, and not a
             # replica whose engine dies on the first request.
             with pytest.raises(OptionError, match="'int4' on cpu needs AVX-512"):
