@@ -131,6 +131,11 @@ class ApiKey(models.Model):
         return hashlib.sha256(raw.encode()).hexdigest()
 
     @classmethod
+    def lookup_of(cls, raw: str) -> str:
+        """The stored `lookup` of a key's secret: its first characters."""
+        return raw[: len(cls.PREFIX) + 8]
+
+    @classmethod
     def issue(
         cls, deployment: Deployment, name: str = "", rate_limit_per_minute: int | None = None
     ) -> tuple[ApiKey, str]:
@@ -139,7 +144,7 @@ class ApiKey(models.Model):
         key = cls.objects.create(
             deployment=deployment,
             name=name,
-            lookup=raw[: len(cls.PREFIX) + 8],
+            lookup=cls.lookup_of(raw),
             key_hash=cls.hash(raw),
             rate_limit_per_minute=rate_limit_per_minute,
         )

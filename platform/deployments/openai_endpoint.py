@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,10 @@ from serving.router import ProxyResponse, error_response
 # How long a checked key is trusted without asking the database again: revoking a key,
 # changing its rate limit or stopping a deployment reaches every web process within this.
 KEY_CACHE_S = 5.0
+# A key used within this long is kept checked in the background (KeyCache says why).
+KEY_WARM_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -105,18 +111,27 @@ class CheckedKey:
 
 
 class KeyCache:
-    """Checked keys by their SHA-256, each trusted for KEY_CACHE_S. Unknown keys are not kept
-    (anyone can send those), so they always go to the database.
+    """Checked keys by their SHA-256, each trusted for KEY_CACHE_S after its lookup began. Unknown
+    keys are not kept (anyone can send those), so they always go to the database.
 
     One lookup per key at a time: requests that arrive while a key is being checked wait for
     that check instead of starting their own. A burst of a hundred chats on one key (a cold
     cache, or every KEY_CACHE_S) otherwise queued a hundred lookups on the one thread Django's
     database calls share, each opening and closing a connection, while holding the GIL the
-    event loop needed to relay the streams already running (bench.serving's burst)."""
+    event loop needed to relay the streams already running (bench.serving's burst).
+
+    Keys used in the last KEY_WARM_S are checked again in the background before their entries
+    expire, all in one query, so a request after a quiet spell finds its key checked. Before,
+    the first request after each expiry waited for the lookup, and so did every request that
+    came while it ran: each burst of bench.serving (they come more than KEY_CACHE_S apart)
+    reached the router 8-17 ms late, the time that lookup took while the loop was busy
+    accepting the burst. An entry still expires KEY_CACHE_S after its lookup began, so a revoked
+    key is refused within KEY_CACHE_S as before."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[float, CheckedKey]] = {}
+        self._entries: dict[str, _Entry] = {}
         self._checking: dict[str, asyncio.Future[CheckedKey | None]] = {}
+        self._refresh_scheduled: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
     async def check(self, authorization: str) -> CheckedKey | None:
         raw = authorization.removeprefix("Bearer ").strip() if authorization.startswith("Bearer ") else ""
@@ -124,32 +139,87 @@ class KeyCache:
             return None
         digest = ApiKey.hash(raw)
         entry = self._entries.get(digest)
-        if entry is not None and entry[0] > time.monotonic():
-            return entry[1]
+        now = time.monotonic()
+        if entry is not None and now - entry.looked_up_at < KEY_CACHE_S:
+            entry.used_at = now
+            return entry.checked
         check = self._checking.get(digest)
         if check is None or check.get_loop() is not asyncio.get_running_loop():
-            check = self._checking[digest] = asyncio.ensure_future(self._check(raw, digest))
+            check = self._checking[digest] = asyncio.ensure_future(self._check(ApiKey.lookup_of(raw), digest))
         # shield: a caller that goes away (its client hung up) does not cancel the others' check.
         return await asyncio.shield(check)
 
     def forget(self, key_id: int) -> None:
         """Drops a key from this process's cache (it was revoked here); other processes drop it
         when their entry expires."""
-        for digest, (_, checked) in list(self._entries.items()):
-            if checked.key_id == key_id:
+        for digest, entry in list(self._entries.items()):
+            if entry.checked.key_id == key_id:
                 self._entries.pop(digest, None)
 
-    async def _check(self, raw: str, digest: str) -> CheckedKey | None:
+    async def _check(self, lookup: str, digest: str) -> CheckedKey | None:
+        started = time.monotonic()
         try:
-            checked = await _checked_key(raw, digest)
+            checked = (await _checked_keys({digest: lookup}))[digest]
         finally:
             if self._checking.get(digest) is asyncio.current_task():  # not a later loop's check
                 del self._checking[digest]
+        self._store(digest, checked, started)
+        if checked is not None:
+            self._schedule_refresh()
+        return checked
+
+    def _store(self, digest: str, checked: CheckedKey | None, looked_up_at: float) -> None:
+        entry = self._entries.get(digest)
         if checked is None:
             self._entries.pop(digest, None)
-        else:
-            self._entries[digest] = (time.monotonic() + KEY_CACHE_S, checked)
-        return checked
+        elif entry is None:
+            self._entries[digest] = _Entry(checked, looked_up_at, used_at=looked_up_at)
+        elif looked_up_at > entry.looked_up_at:
+            entry.checked, entry.looked_up_at = checked, looked_up_at
+
+    def _schedule_refresh(self) -> None:
+        """A timer on this loop, not a task: a loop that ends (a test's) just drops it."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._refresh_scheduled:
+            self._refresh_scheduled.add(loop)
+            loop.call_later(KEY_CACHE_S / 4, self._refresh, loop)
+
+    def _refresh(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every KEY_CACHE_S / 4 while keys are in use: looks up again, in one query, the keys
+        used within KEY_WARM_S whose entries are past half their life; forgets the others once
+        they expire."""
+        self._refresh_scheduled.discard(loop)
+        now = time.monotonic()
+        due: dict[str, str] = {}
+        for digest, entry in list(self._entries.items()):
+            age = now - entry.looked_up_at
+            if now - entry.used_at >= KEY_WARM_S:
+                if age >= KEY_CACHE_S:
+                    del self._entries[digest]
+            elif age >= KEY_CACHE_S / 2:
+                due[digest] = entry.checked.prefix
+        if due:
+            refresh = asyncio.ensure_future(self._refresh_due(due, now))
+            refresh.add_done_callback(_log_failed_refresh)
+        if any(now - e.used_at < KEY_WARM_S for e in self._entries.values()):
+            self._schedule_refresh()
+
+    async def _refresh_due(self, due: dict[str, str], started: float) -> None:
+        for digest, checked in (await _checked_keys(due)).items():
+            self._store(digest, checked, started)
+
+
+@dataclass
+class _Entry:
+    checked: CheckedKey
+    looked_up_at: float  # when the lookup that read it began: its trust counts from there
+    used_at: float
+
+
+def _log_failed_refresh(refresh: asyncio.Future[None]) -> None:
+    # Nobody awaits it; the entries expire as if it had not run, and a request then looks up.
+    if not refresh.cancelled() and refresh.exception() is not None:
+        log.warning("refreshing the API keys in use failed: %r", refresh.exception())
 
 
 KEYS = KeyCache()
@@ -160,20 +230,29 @@ LIMITER: Limiter = limiter_for_settings()
 # database_sync_to_async (Channels') closes stale connections around the call, as Django does
 # around a request: this app runs outside Django's request cycle.
 @database_sync_to_async
-def _checked_key(raw: str, digest: str) -> CheckedKey | None:
-    key = (
-        ApiKey.objects.select_related("deployment__checkpoint")
-        .filter(lookup=raw[: len(ApiKey.PREFIX) + 8], revoked=False)
-        .first()
-    )
-    if key is None or not hmac.compare_digest(digest, key.key_hash):
-        return None
-    return CheckedKey(
-        key_id=key.pk,
-        prefix=key.lookup,
-        rate_limit_per_minute=key.rate_limit_per_minute,
-        served=Served.of(key.deployment),
-    )
+def _checked_keys(wanted: dict[str, str]) -> dict[str, CheckedKey | None]:
+    """For each {digest: lookup prefix}, the key as checked, or None (unknown, revoked, or its
+    hash differs): one query for any number of keys."""
+    found = {
+        key.lookup: key
+        for key in ApiKey.objects.select_related("deployment__checkpoint").filter(
+            lookup__in=set(wanted.values()), revoked=False
+        )
+    }
+    checked: dict[str, CheckedKey | None] = {}
+    for digest, lookup in wanted.items():
+        key = found.get(lookup)
+        checked[digest] = (
+            CheckedKey(
+                key_id=key.pk,
+                prefix=key.lookup,
+                rate_limit_per_minute=key.rate_limit_per_minute,
+                served=Served.of(key.deployment),
+            )
+            if key is not None and hmac.compare_digest(digest, key.key_hash)
+            else None
+        )
+    return checked
 
 
 @database_sync_to_async

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
 
 from controlplane.asgi import application
 from deployments import openai_endpoint
@@ -156,6 +157,70 @@ def test_a_revoked_key_is_refused_once_its_cache_entry_expires(keys, monkeypatch
     assert_openai_error(post("/v1/chat/completions", chat("alice-model"), keys["alice"]), 401)
 
 
+def test_a_key_in_use_is_checked_again_in_the_background_so_a_request_after_a_pause_does_not_wait(
+    keys, monkeypatch
+):
+    """A burst that follows a quiet spell longer than the key cache's life finds its key checked:
+    the lookups ran between the requests. Here lookups hang once the gate closes, so a request
+    that had to wait for one would not be answered at all."""
+    monkeypatch.setattr(openai_endpoint, "KEY_CACHE_S", 1.0)
+    lookups = []
+    gate = asyncio.Event()
+    check = openai_endpoint._checked_keys
+
+    async def gated(wanted):
+        await gate.wait()
+        lookups.append(time.monotonic())
+        return await check(wanted)
+
+    monkeypatch.setattr(openai_endpoint, "_checked_keys", gated)
+    headers = {"Authorization": f"Bearer {keys['alice']}"}
+
+    async def pause_between_two_requests() -> tuple[httpx.Response, httpx.Response, list[float]]:
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            gate.set()
+            first = await client.post("/v1/chat/completions", json=chat("alice-model"), headers=headers)
+            await asyncio.sleep(2.5)  # longer than KEY_CACHE_S, with no request
+            in_the_pause = lookups[1:]
+            gate.clear()
+            try:
+                second = await asyncio.wait_for(
+                    client.post("/v1/chat/completions", json=chat("alice-model"), headers=headers), 10
+                )
+            finally:
+                gate.set()  # lets a background lookup that waits there finish before the loop ends
+                await asyncio.sleep(0.1)
+        return first, second, in_the_pause
+
+    first, second, in_the_pause = async_to_sync(pause_between_two_requests)()
+    assert_openai_error(first, 503)  # let in, then answered: this deployment has no live replica
+    assert_openai_error(second, 503)
+    assert len(in_the_pause) >= 2  # each at half the entry's life, while it was in use
+
+
+def test_a_key_revoked_while_kept_checked_is_refused_within_the_key_cache_time(keys, monkeypatch):
+    monkeypatch.setattr(openai_endpoint, "KEY_CACHE_S", 1.0)
+    headers = {"Authorization": f"Bearer {keys['alice']}"}
+
+    async def revoke_while_in_use() -> tuple[int, float]:
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            assert (await client.post("/v1/chat/completions", json=chat("alice-model"), headers=headers)).status_code == 503
+            await asyncio.sleep(0.6)  # the background lookups have begun
+            await database_sync_to_async(ApiKey.objects.update)(revoked=True)
+            revoked_at = time.monotonic()
+            while True:
+                response = await client.post("/v1/chat/completions", json=chat("alice-model"), headers=headers)
+                if response.status_code == 401 or time.monotonic() - revoked_at > 5:
+                    return response.status_code, time.monotonic() - revoked_at
+                await asyncio.sleep(0.05)
+
+    status, refused_after = async_to_sync(revoke_while_in_use)()
+    assert status == 401
+    assert refused_after <= openai_endpoint.KEY_CACHE_S + 0.5  # its last lookup began before the revocation
+
+
 def test_unknown_paths_and_wrong_methods_answer_in_openai_shape(keys):
     assert_openai_error(post("/v1/embeddings", {"model": "alice-model"}, keys["alice"]), 404, "unknown_url")
     assert_openai_error(call("GET", "/v1/chat/completions", key=keys["alice"]), 405, "method_not_allowed")
@@ -163,13 +228,13 @@ def test_unknown_paths_and_wrong_methods_answer_in_openai_shape(keys):
 
 def test_a_burst_on_one_key_checks_it_once_and_lets_every_request_in(keys, monkeypatch):
     lookups = []
-    check = openai_endpoint._checked_key
+    check = openai_endpoint._checked_keys
 
-    async def counted(raw, digest):
-        lookups.append(raw)
-        return await check(raw, digest)
+    async def counted(wanted):
+        lookups.extend(wanted.values())
+        return await check(wanted)
 
-    monkeypatch.setattr(openai_endpoint, "_checked_key", counted)
+    monkeypatch.setattr(openai_endpoint, "_checked_keys", counted)
     headers = {"Authorization": f"Bearer {keys['alice']}"}
 
     async def burst() -> list[httpx.Response]:
@@ -182,4 +247,4 @@ def test_a_burst_on_one_key_checks_it_once_and_lets_every_request_in(keys, monke
     responses = async_to_sync(burst)()
     for response in responses:  # let in, then answered: this deployment has no live replica
         assert_openai_error(response, 503)
-    assert lookups == [keys["alice"]]
+    assert lookups == [ApiKey.lookup_of(keys["alice"])]
