@@ -1,6 +1,6 @@
 """What Fathom's router costs, and what vLLM buys over plain `transformers.generate`.
 
-    python -m bench.serving [--concurrency 32] [--tokens 64] [--rounds 5] [--burst 100]
+    python -m bench.serving [--concurrency 32] [--tokens 64] [--rounds 5] [--burst 100] [--bursts 2]
 
 One deployment (one vLLM replica of a small Llama, CPU, float32, the product's default
 `max_num_seqs`), reached three ways in turn, each round: straight at the replica, through the
@@ -13,10 +13,11 @@ process, as `make run` starts it, with an API key). Two loads, each timed on the
   as many users pressing send together (more than the replica batches at once, so some queue).
 
 It prints output tokens/s and TTFT p50 for each way and load, and the routed ÷ direct ratios
-(median of the per-round ratios; each round starts with the next way). A burst's TTFT p50 swings
-from one burst to the next, as the replica's first batches form from whichever requests have
-arrived (direct alone: 400 to 1,000 ms in one run), so the burst's per-round ratios are printed
-beside their median. Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of
+(median of the ratios of bursts or rounds run side by side; each round starts with the next way).
+A burst's TTFT p50 swings from one burst to the next, as the replica's first batches form from
+whichever requests have arrived (direct alone: 265 to 493 ms in six bursts on one machine, and
+single `/v1` ÷ direct ratios of 0.79 to 1.78), so each round runs `bursts` bursts per way (ten
+per way by default) and every burst's ratio is printed beside their median. Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of
 `concurrency` left-padded prompts, greedy) on the same checkpoint gives the vLLM ÷ transformers
 ratio.
 
@@ -271,7 +272,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--burst", type=int, default=100, help="chats per burst (one burst per way and round)")
+    parser.add_argument("--burst", type=int, default=100, help="chats per burst")
+    parser.add_argument("--bursts", type=int, default=2, help="bursts per way and round")
     parser.add_argument("--keep", action="store_true", help="keep the deployment's logs and state")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -343,10 +345,11 @@ def main() -> None:
                 way.rounds.append(asyncio.run(_load(way.url, args.concurrency, args.tokens, requests, way.key)))
                 if way.router_pid:
                     way.router_cpu_s += _cpu_seconds(way.router_pid) - cpu_before
-            for way in turn:
-                cpu_before = time.process_time()
-                way.bursts.append(asyncio.run(_burst(way.url, args.burst, args.tokens, way.key)))
-                way.client_cpu_s += time.process_time() - cpu_before
+            for _ in range(args.bursts):
+                for way in turn:
+                    cpu_before = time.process_time()
+                    way.bursts.append(asyncio.run(_burst(way.url, args.burst, args.tokens, way.key)))
+                    way.client_cpu_s += time.process_time() - cpu_before
     finally:
         request_stop(config.state_dir)
         for server in routers:
@@ -377,16 +380,19 @@ def main() -> None:
                 f"its CPU {way.router_cpu_s * 1000 / relayed_k:.0f} ms per 1000 relayed tokens"
             )
         print(line)
-    print(f"burst: {args.burst} streamed chats of {args.tokens} tokens sent together, one burst per way and round")
+    print(
+        f"burst: {args.burst} streamed chats of {args.tokens} tokens sent together, "
+        f"{args.bursts} bursts per way and round"
+    )
     for way in ways:
         line = (
             f"{way.name:>18}: {way.tok_s(burst=True):,.0f} tok/s, TTFT p50 {way.ttft_ms(burst=True):.1f} ms, "
-            f"client CPU {way.client_cpu_s * 1000 / args.rounds:.0f} ms per burst"
+            f"client CPU {way.client_cpu_s * 1000 / len(way.bursts):.0f} ms per burst"
         )
         if way.router_pid:
             tps_ratio, ttft_ratio = way.over(direct, burst=True)
             each = ", ".join(f"{mine[1] / theirs[1]:.2f}" for mine, theirs in zip(way.bursts, direct.bursts, strict=True))
-            line += f"; ÷ direct: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f} (the rounds': {each})"
+            line += f"; ÷ direct: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f} (each burst's: {each})"
         print(line)
     print(f"transformers.generate (batch {args.concurrency}, OMP_NUM_THREADS=1): {hf_tps:,.0f} tok/s")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
@@ -399,6 +405,7 @@ def main() -> None:
         f"direct_tok_s={direct.tok_s():.0f} transformers_tok_s={hf_tps:.0f} "
         f"vllm_over_transformers={direct.tok_s() / hf_tps:.2f} "
         f"clock=wall burst_v1_over_direct_tok_s={web.over(direct, burst=True)[0]:.3f} "
+        f"burst_v1_over_direct_ttft={web.over(direct, burst=True)[1]:.3f} "
         f"burst_v1_ttft_p50_ms={web.ttft_ms(burst=True):.1f} burst_direct_ttft_p50_ms={direct.ttft_ms(burst=True):.1f}"
     )
 
