@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -131,6 +132,18 @@ def relay_scheduling() -> None:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
+def freeze_startup_objects() -> None:
+    """Keeps what a relay built at start-up out of Python's garbage collector.
+
+    Modules, classes and the app (tens of thousands of objects: 40,000 in this process, about
+    100,000 in the web process with Django) live as long as the process. A full collection walks
+    them all, holding the GIL throughout (26 ms here; 170 ms in the web process, once, in the
+    middle of bench.live_metrics' 1,000 points/s), and a burst of requests allocates enough to
+    set off several. Frozen, they are skipped; what requests allocate is still collected."""
+    gc.collect()
+    gc.freeze()
+
+
 def app_for_deployment(state_dir: str | Path) -> ASGIApp:
     """An app routing to the deployment whose supervisor writes to `state_dir`."""
     from serving.supervisor import DeploymentConfig
@@ -154,8 +167,10 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     relay_scheduling()
+    app = app_for_deployment(args.state_dir)
+    freeze_startup_objects()
     uvicorn.run(
-        app_for_deployment(args.state_dir),
+        app,
         host=args.host,
         port=args.port,
         loop="uvloop",

@@ -10,7 +10,6 @@ needs happens here and not in every process that imports `controlplane.asgi` (te
 
 from __future__ import annotations
 
-import gc
 import sqlite3
 import sys
 from typing import Any
@@ -45,18 +44,13 @@ def hold_sqlite_wal_open() -> None:
 
 def web_application() -> Any:
     """The ASGI application as the web process serves it (`uvicorn --factory`)."""
-    from serving.app import relay_scheduling
+    from serving.app import freeze_startup_objects, relay_scheduling
 
     relay_scheduling()  # before any thread starts, so Django's database threads inherit it
     from controlplane.asgi import application
 
     hold_sqlite_wal_open()
-    # What Django, DRF, Channels and the apps built at start-up (about 100,000 objects) lives as
-    # long as the process: kept out of the collector, a full collection no longer walks it. One
-    # such walk held the GIL 170 ms in the middle of a 1,000 points/s stream (bench.live_metrics),
-    # which every point then in flight waited out.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()  # what Django, DRF, Channels and the apps built (~100,000 objects)
     return application
 
 
