@@ -206,7 +206,8 @@ class KeyCache:
 
     async def _refresh_due(self, due: dict[str, str], started: float) -> None:
         for digest, checked in (await _checked_keys(due)).items():
-            self._store(digest, checked, started)
+            if digest in self._entries:  # renews, never brings back a key forgotten meanwhile (revoked here)
+                self._store(digest, checked, started)
 
 
 @dataclass
