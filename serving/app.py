@@ -138,8 +138,8 @@ def freeze_startup_objects() -> None:
     Modules, classes and the app (tens of thousands of objects: 40,000 in this process, about
     100,000 in the web process with Django) live as long as the process. A full collection walks
     them all, holding the GIL throughout (26 ms here; 170 ms in the web process, once, in the
-    middle of bench.live_metrics' 1,000 points/s), and a burst of requests allocates enough to
-    set off several. Frozen, they are skipped; what requests allocate is still collected."""
+    middle of bench.live_metrics' 1,000 points/s), and the allocations of requests can set one
+    off at any moment. Frozen, they are skipped; what requests allocate is still collected."""
     gc.collect()
     gc.freeze()
 
