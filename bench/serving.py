@@ -17,9 +17,9 @@ It prints output tokens/s and TTFT p50 for each way and load, and the routed ÷ 
 A burst's TTFT p50 swings from one burst to the next, as the replica's first batches form from
 whichever requests have arrived (direct alone: 265 to 493 ms in six bursts on one machine, and
 single `/v1` ÷ direct ratios of 0.79 to 1.78), so each round runs `bursts` bursts per way (ten
-per way by default) and every burst's ratio is printed beside their median. Then `transformers.generate` (OMP_NUM_THREADS=1, one batch of
-`concurrency` left-padded prompts, greedy) on the same checkpoint gives the vLLM ÷ transformers
-ratio.
+per way by default) and every burst's ratio is printed beside their median. Then
+`transformers.generate` (OMP_NUM_THREADS=1, one batch of `concurrency` left-padded prompts,
+greedy) on the same checkpoint gives the vLLM ÷ transformers ratio.
 
 The client is aiohttp, one new connection per request, and parses every event it receives, as a
 chat client does. Its CPU per burst is printed: on the routers' core, that is CPU the routed ways
@@ -210,8 +210,8 @@ class Way:
         return 1000 * statistics.median(f for _, f in (self.bursts if burst else self.rounds))
 
     def over(self, direct: Way, burst: bool = False) -> tuple[float, float]:
-        """Median of the per-round ratios to `direct` (tokens/s, TTFT): steadier than a ratio of
-        medians when the machine's other load drifts."""
+        """Median of the ratios to `direct` (tokens/s, TTFT) of the rounds, or bursts, run side
+        by side: steadier than a ratio of medians when the machine's other load drifts."""
         mine, theirs = (self.bursts, direct.bursts) if burst else (self.rounds, direct.rounds)
         pairs = list(zip(mine, theirs, strict=True))
         return statistics.median(r[0] / d[0] for r, d in pairs), statistics.median(r[1] / d[1] for r, d in pairs)
@@ -365,6 +365,7 @@ def main() -> None:
     hf_tps = _transformers_tokens_per_s(checkpoint, args.concurrency, args.tokens)
     direct, router, web = ways
     relayed_k = args.rounds * requests * args.tokens / 1000
+    burst_tok_s_ratio, burst_ttft_ratio = web.over(direct, burst=True)
 
     print(
         f"load: {args.concurrency} concurrent clients, {requests} streamed completions of {args.tokens} tokens "
@@ -404,8 +405,8 @@ def main() -> None:
         f"controlplane_cpu_ms_per_1k_tok={web.router_cpu_s * 1000 / relayed_k:.0f} "
         f"direct_tok_s={direct.tok_s():.0f} transformers_tok_s={hf_tps:.0f} "
         f"vllm_over_transformers={direct.tok_s() / hf_tps:.2f} "
-        f"clock=wall burst_v1_over_direct_tok_s={web.over(direct, burst=True)[0]:.3f} "
-        f"burst_v1_over_direct_ttft={web.over(direct, burst=True)[1]:.3f} "
+        f"clock=wall burst_v1_over_direct_tok_s={burst_tok_s_ratio:.3f} "
+        f"burst_v1_over_direct_ttft={burst_ttft_ratio:.3f} "
         f"burst_v1_ttft_p50_ms={web.ttft_ms(burst=True):.1f} burst_direct_ttft_p50_ms={direct.ttft_ms(burst=True):.1f}"
     )
 

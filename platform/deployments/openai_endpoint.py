@@ -191,17 +191,20 @@ class KeyCache:
         self._refresh_scheduled.discard(loop)
         now = time.monotonic()
         due: dict[str, str] = {}
+        in_use = False
         for digest, entry in list(self._entries.items()):
             age = now - entry.looked_up_at
             if now - entry.used_at >= KEY_WARM_S:
                 if age >= KEY_CACHE_S:
                     del self._entries[digest]
-            elif age >= KEY_CACHE_S / 2:
+                continue
+            in_use = True
+            if age >= KEY_CACHE_S / 2:
                 due[digest] = entry.checked.prefix
         if due:
             refresh = asyncio.ensure_future(self._refresh_due(due, now))
             refresh.add_done_callback(_log_failed_refresh)
-        if any(now - e.used_at < KEY_WARM_S for e in self._entries.values()):
+        if in_use:
             self._schedule_refresh()
 
     async def _refresh_due(self, due: dict[str, str], started: float) -> None:
