@@ -17,7 +17,9 @@ It prints output tokens/s and TTFT p50 for each way and load, and the routed ÷ 
 A burst's TTFT p50 swings from one burst to the next, as the replica's first batches form from
 whichever requests have arrived (direct alone: 265 to 493 ms in six bursts on one machine, and
 single `/v1` ÷ direct ratios of 0.79 to 1.78), so each round runs `bursts` bursts per way (ten
-per way by default) and every burst's ratio is printed beside their median. Then
+per way by default) and every burst's ratio is printed beside their median. The bursts also go
+through a fourth way, `bench.byte_proxy` on the routers' core: a TCP proxy that reads nothing,
+the floor any relay there could reach (`burst_floor_over_direct_ttft`). Then
 `transformers.generate` (OMP_NUM_THREADS=1, one batch of `concurrency` left-padded prompts,
 greedy) on the same checkpoint gives the vLLM ÷ transformers ratio.
 
@@ -198,6 +200,7 @@ class Way:
     key: str = ""
     router_pid: int | None = None
     up_path: str = "/health"  # answers 200 once the server serves
+    burst_only: bool = False  # the byte proxy: a floor for the bursts' figures
     rounds: list[tuple[float, float]] = field(default_factory=list)  # closed loop: (tokens/s, TTFT p50 s)
     bursts: list[tuple[float, float]] = field(default_factory=list)  # the same, per burst
     router_cpu_s: float = 0.0  # in the closed loop
@@ -326,10 +329,20 @@ def main() -> None:
         _wait(ready, 600, "replica")
         state = read_state(config.state_dir)
         assert state is not None and state.replicas[0].url
+        replica_host, replica_port = state.replicas[0].url.removeprefix("http://").rsplit(":", 1)
+        proxy_port = free_port()
+        routers.append(
+            _start(
+                [sys.executable, "-m", "bench.byte_proxy", replica_host, replica_port, str(proxy_port)],
+                cwd=ROOT,
+                log=tmp / "byte-proxy.log",
+            )
+        )
         ways = [
             Way("direct", state.replicas[0].url),
             Way("router", f"http://127.0.0.1:{app_port}", router_pid=routers[0].pid),
             Way("control plane /v1", f"http://127.0.0.1:{web_port}", key, routers[1].pid, up_path="/login/"),
+            Way("byte proxy", f"http://127.0.0.1:{proxy_port}", up_path="/health", burst_only=True),
         ]
         for way in ways[1:]:
             _wait(lambda url=way.url + way.up_path: _up(url), 60, way.name)
@@ -341,6 +354,8 @@ def main() -> None:
             # with the next way, so no way always follows the same one.
             turn = ways[round_index % len(ways) :] + ways[: round_index % len(ways)]
             for way in turn:
+                if way.burst_only:
+                    continue
                 cpu_before = _cpu_seconds(way.router_pid) if way.router_pid else 0.0
                 way.rounds.append(asyncio.run(_load(way.url, args.concurrency, args.tokens, requests, way.key)))
                 if way.router_pid:
@@ -363,7 +378,7 @@ def main() -> None:
 
     os.sched_setaffinity(0, router_cores | replica_cores)
     hf_tps = _transformers_tokens_per_s(checkpoint, args.concurrency, args.tokens)
-    direct, router, web = ways
+    direct, router, web, floor = ways
     relayed_k = args.rounds * requests * args.tokens / 1000
     burst_tok_s_ratio, burst_ttft_ratio = web.over(direct, burst=True)
 
@@ -372,7 +387,7 @@ def main() -> None:
         f"per round, {args.rounds} rounds, medians; replica on cores {sorted(replica_cores)}, "
         f"client and routers on {sorted(router_cores)}"
     )
-    for way in ways:
+    for way in ways[:3]:
         line = f"{way.name:>18}: {way.tok_s():,.0f} tok/s, TTFT p50 {way.ttft_ms():.1f} ms"
         if way.router_pid:
             tps_ratio, ttft_ratio = way.over(direct)
@@ -390,7 +405,7 @@ def main() -> None:
             f"{way.name:>18}: {way.tok_s(burst=True):,.0f} tok/s, TTFT p50 {way.ttft_ms(burst=True):.1f} ms, "
             f"client CPU {way.client_cpu_s * 1000 / len(way.bursts):.0f} ms per burst"
         )
-        if way.router_pid:
+        if way is not direct:
             tps_ratio, ttft_ratio = way.over(direct, burst=True)
             each = ", ".join(f"{mine[1] / theirs[1]:.2f}" for mine, theirs in zip(way.bursts, direct.bursts, strict=True))
             line += f"; ÷ direct: tok/s {tps_ratio:.3f}, TTFT {ttft_ratio:.3f} (each burst's: {each})"
@@ -407,7 +422,9 @@ def main() -> None:
         f"vllm_over_transformers={direct.tok_s() / hf_tps:.2f} "
         f"clock=wall burst_v1_over_direct_tok_s={burst_tok_s_ratio:.3f} "
         f"burst_v1_over_direct_ttft={burst_ttft_ratio:.3f} "
-        f"burst_v1_ttft_p50_ms={web.ttft_ms(burst=True):.1f} burst_direct_ttft_p50_ms={direct.ttft_ms(burst=True):.1f}"
+        f"burst_v1_ttft_p50_ms={web.ttft_ms(burst=True):.1f} burst_direct_ttft_p50_ms={direct.ttft_ms(burst=True):.1f} "
+        f"burst_floor_over_direct_ttft={floor.over(direct, burst=True)[1]:.3f} "
+        f"burst_floor_ttft_p50_ms={floor.ttft_ms(burst=True):.1f}"
     )
 
 
