@@ -80,7 +80,12 @@ async def send_response(send: Send, response: ProxyResponse, receive: Receive | 
 
 
 async def _send_body(send: Send, response: ProxyResponse) -> None:
-    async for chunk in response.iter_bytes():
+    if response.stream is None:
+        await send({"type": "http.response.body", "body": response.body or b""})
+        return
+    # The relay itself, not `iter_bytes`: a generator layer less per event (`send_response`
+    # closes the relay however the stream ends).
+    async for chunk in response.stream:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
 

@@ -2,11 +2,11 @@
 
 Layers, as in TGI: the HTTP view (Django's, or `serving.app` standalone) validates with
 `serving.openai_requests.check_request` and calls `Router.forward`; the router depends only on the
-small `Backend` interface; `HttpBackend` is the vLLM replica behind it. Everything is async and
-shares one aiohttp session, so a stream costs a coroutine, not a thread. aiohttp rather than
-httpx on this hop: it parses HTTP in C, and relaying each token's SSE event is the router's whole
-per-token cost (bench.serving: 60 ms of router CPU per 1000 relayed tokens with httpx under
-daphne, 40 ms with aiohttp under uvicorn).
+small `Backend` interface; `HttpBackend` is the vLLM replica behind it. Everything is async, so a
+stream costs a coroutine, not a thread. The hop to a replica is `serving.replica_http`, pooled
+connections that parse answers in C (httptools): relaying each token's SSE event is the router's
+whole per-token cost, and a general client's reading path was nearly half of it (that module
+says what was measured).
 
 Choice: among routable replicas (the source says ready, and this router has not seen a
 connection to it fail in the last `eject_s`), the one with the fewest requests this router has
@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import aiohttp
-
 from serving.errors import OpenAIError, no_replica_available, normalize_error_body, upstream_failed, upstream_timeout
+from serving.replica_http import BackendBrokeOff, BackendTimeout, BackendUnavailable, ReplicaPool
 from serving.state import read_state, state_files
 
 log = logging.getLogger(__name__)
@@ -99,18 +98,6 @@ class StateFileReplicas:
         return self._endpoints
 
 
-class BackendUnavailable(Exception):
-    """The replica could not be reached, or dropped the connection before answering."""
-
-
-class BackendTimeout(Exception):
-    """The replica stayed silent longer than the read timeout."""
-
-
-class BackendBrokeOff(Exception):
-    """The response broke off after its head arrived."""
-
-
 @dataclass
 class UpstreamResponse:
     status: int
@@ -145,30 +132,26 @@ class Timeouts:
 
 
 class HttpClient:
-    """The aiohttp session a router's replicas share, created on first use: a session belongs to
-    the event loop it was made in, and routers are built before their loop runs."""
+    """The connection pools of a router's replicas, one per replica URL, made on first use: a
+    pool belongs to the event loop it was made in, and routers are built before their loop runs."""
 
     def __init__(self, timeouts: Timeouts) -> None:
         self.timeouts = timeouts
-        self._session: aiohttp.ClientSession | None = None
+        self._pools: dict[str, ReplicaPool] = {}
 
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                # limit=0: no cap on connections, one per request in flight (each stream holds its own).
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.timeouts.keepalive_s),
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self.timeouts.connect_s, sock_read=self.timeouts.read_s
-                ),
-                trust_env=False,
-                cookie_jar=aiohttp.DummyCookieJar(),  # replicas set none; skips a filter per request
+    def pool(self, url: str) -> ReplicaPool:
+        pool = self._pools.get(url)
+        if pool is None or pool.loop is not asyncio.get_running_loop():
+            t = self.timeouts
+            pool = self._pools[url] = ReplicaPool(
+                url, connect_s=t.connect_s, read_s=t.read_s, keepalive_s=t.keepalive_s
             )
-        return self._session
+        return pool
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.close()
 
 
 class HttpBackend:
@@ -177,47 +160,22 @@ class HttpBackend:
         self.url = url.rstrip("/")
         self._client = client
 
-    async def _post(self, path: str, body: bytes) -> aiohttp.ClientResponse:
-        return await self._client.session().post(
-            f"{self.url}{path}", data=body, headers={"content-type": "application/json"}
-        )
-
     async def send(self, path: str, body: bytes) -> UpstreamResponse:
-        try:
-            try:
-                response = await self._post(path, body)
-            except aiohttp.ServerDisconnectedError:
-                # A keep-alive connection the replica closed just as it was taken; one retry
-                # tells that from a dead replica.
-                response = await self._post(path, body)
-        except aiohttp.SocketTimeoutError as exc:
-            raise BackendTimeout(f"{self.url}: no answer in {self._client.timeouts.read_s:g} s") from exc
-        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-            # No response head: the replica generated nothing for this request.
-            raise BackendUnavailable(f"{self.url}: {exc!r}") from exc
+        connection = await self._client.pool(self.url).post(path, body)
+        exchange = connection.exchange
 
         async def close() -> None:
             # Closes the connection of a stream cut short (vLLM then aborts the request); a
-            # finished response already went back to the pool.
-            response.close()
+            # finished answer's connection is already back in the pool.
+            connection.abort(exchange)
 
+        # The connection itself iterates the body: one layer per relayed event, not three.
         return UpstreamResponse(
-            status=response.status,
-            content_type=response.headers.get("content-type", "application/json"),
-            chunks=_body_chunks(response),
+            status=connection.status,
+            content_type=connection.content_type or "application/json",
+            chunks=connection,
             close=close,
         )
-
-
-async def _body_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The body as it arrives (chunked framing removed), errors in the router's terms."""
-    try:
-        async for chunk in response.content.iter_any():
-            yield chunk
-    except TimeoutError as exc:
-        raise BackendTimeout(str(exc)) from exc
-    except aiohttp.ClientError as exc:
-        raise BackendBrokeOff(repr(exc)) from exc
 
 
 @dataclass(frozen=True)
