@@ -3,9 +3,10 @@ their answers with httptools and hand the body to the relay as it arrives.
 
 Why not a general client: relaying a token's SSE event is nearly all the router's work, and
 aiohttp (the client it used before) spent about 45% of a relay's CPU on its own reading path
-(cProfile of a standalone router relaying bursts of 100 streams from a scripted replica): per event, a protocol callback, a stream reader with its waiters and flow
-control, and three iterator layers. Here an event costs one C parser call (`on_body`), one
-wakeup and one `__anext__`; uvicorn reads its requests the same way. What a replica hop needs
+(cProfile of a standalone router relaying bursts of 100 streams from a scripted replica): per
+event, a protocol callback, a stream reader with its waiters and flow control, and three
+iterator layers. Here an event costs one C parser call (`on_body`), one wakeup and one
+`__anext__`; uvicorn reads its requests the same way. What a replica hop needs
 and no more: POST with a JSON body, one request per connection at a time, chunked or sized
 answers, keep-alive with one retry when a pooled connection turns out closed, a connect
 timeout, a read timeout (the longest silence), and read back-pressure.
@@ -121,6 +122,7 @@ class ReplicaConnection(asyncio.Protocol):
         # Read here: once the callback returns, the parser is reset for the next answer.
         self._keep_alive = self._parser.should_keep_alive()
         self._complete = True
+        self._disarm_timer()  # all of it is here: a reader slow to take it is no silent replica
         self._wake()
 
     # --- the exchange -----------------------------------------------------------------------

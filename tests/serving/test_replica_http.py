@@ -242,3 +242,16 @@ async def test_a_replica_that_answers_something_not_http_is_failed_over_like_a_r
         assert all(status == 200 for status, _ in answers)
         assert len(healthy.requests) == 3  # after the garbage, the router leaves that replica alone
         await router.aclose()
+
+
+async def test_a_whole_answer_left_unread_past_the_read_timeout_is_still_read_whole() -> None:
+    """The replica finished answering; the reader comes back later than the read timeout: the
+    replica was not silent, so nothing of its answer is lost to a timeout."""
+    async with Replica(streams_events) as replica:
+        router = router_to(replica, read_s=0.3)
+        response = await router.forward("/v1/completions", STREAM)
+        assert response.stream is not None
+        await asyncio.sleep(1.0)
+        body = b"".join([piece async for piece in response.stream])
+        assert body == b"".join(event(i) for i in range(3)) + b"data: [DONE]\n\n"
+        await router.aclose()
