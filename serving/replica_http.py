@@ -56,9 +56,8 @@ class ReplicaConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self.closed = False
-        self.reused = False  # it served an exchange before this one
         self.idle_since = 0.0
-        self.exchange = 0  # which exchange on this connection is under way
+        self.exchange = 0  # which exchange on this connection is under way (from 2 on, a reused one)
         self.status = 0
         self.content_type = ""
         self._head: asyncio.Future[None] | None = None
@@ -94,7 +93,7 @@ class ReplicaConnection(asyncio.Protocol):
         if self._head is not None and not self._complete:
             why = f" ({exc!r})" if exc else ""
             if not self._head.done():
-                closed = _PooledConnectionClosed if self.reused else BackendUnavailable
+                closed = _PooledConnectionClosed if self.exchange > 1 else BackendUnavailable
                 self._fail(closed(f"{self._pool.address}: closed before answering{why}"))
             else:
                 self._fail(BackendBrokeOff(f"{self._pool.address}: closed mid-answer{why}"))
@@ -277,7 +276,6 @@ class ReplicaPool:
         while self._idle:
             connection = self._idle.pop()
             if not connection.closed and now - connection.idle_since < self.keepalive_s:
-                connection.reused = True
                 return connection
             connection.close()
         return None
