@@ -23,10 +23,11 @@ the floor any relay there could reach (`burst_floor_over_direct_ttft`). Then
 `transformers.generate` (OMP_NUM_THREADS=1, one batch of `concurrency` left-padded prompts,
 greedy) on the same checkpoint gives the vLLM ÷ transformers ratio.
 
-The client is aiohttp, one new connection per request, and parses every event it receives, as a
-chat client does. Its CPU per burst is printed: on the routers' core, that is CPU the routed ways
-lose and the direct way does not, so the lighter the client, the nearer the ratios are to what
-the routers alone cost.
+The client (`bench.stream_client`) opens one new connection per request and parses every event
+it receives, as a chat client does. Its CPU per burst is printed: on the routers' core, that is
+CPU the routed ways lose and the direct way does not (a user's client runs on the user's
+machine), so the client is as lean as it can be, and the lighter it is, the nearer the ratios
+are to what the routers alone cost.
 
 Placement: the replica gets the upper half of the cores, the client and the routers the lower
 half, as in a real deployment where the control plane does not run on the accelerator host. On a
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -52,9 +52,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import httpx
+import uvloop
 
+from bench.stream_client import Stream, request_bytes, stream
 from serving.state import read_state
 from serving.supervisor import DeploymentConfig, free_port, launch_detached, request_stop
 from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
@@ -98,11 +99,8 @@ def _wait(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-un
         time.sleep(0.5)
 
 
-async def _one(
-    client: aiohttp.ClientSession, url: str, prompt: str, tokens: int, chat: bool = False
-) -> tuple[float, int]:
-    """Stream one completion (a chat completion with `chat`); return (time to first token,
-    output tokens)."""
+def _request(url: str, prompt: str, tokens: int, key: str, chat: bool = False) -> bytes:
+    """A streamed completion (a chat completion with `chat`) of `tokens` tokens, as request bytes."""
     body: dict[str, object] = {
         "model": "bench",
         "max_tokens": tokens,
@@ -115,64 +113,34 @@ async def _one(
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
-    start = time.perf_counter()
-    ttft = float("nan")
-    produced = 0
-    async with client.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:  # one server-sent-event line at a time
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices") and ttft != ttft:
-                choice = event["choices"][0]
-                if choice.get("delta", {}).get("content") if chat else choice.get("text"):
-                    ttft = time.perf_counter() - start
-            if event.get("usage"):
-                produced = event["usage"]["completion_tokens"]
-    return ttft, produced
-
-
-def _client(key: str) -> aiohttp.ClientSession:
-    """A new connection for each request, as separate users open theirs. aiohttp, as vLLM's own
-    serving benchmark uses: the client shares its core with the routers (see Placement), and
-    httpx spent 2.5x aiohttp's CPU on the same burst (1.6-1.9 s against 0.6-0.7 s for 100 chats
-    of 64 tokens), CPU the routed ways then lacked and the direct way did not."""
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, force_close=True),
-        timeout=aiohttp.ClientTimeout(total=600),
-        headers={"Authorization": f"Bearer {key}"} if key else {},
-        trust_env=False,
-    )
+    return request_bytes(f"{url}/v1/{'chat/completions' if chat else 'completions'}", body, key)
 
 
 async def _load(url: str, concurrency: int, tokens: int, requests: int, key: str = "") -> tuple[float, float]:
     """`concurrency` clients, each sending its next streamed completion as soon as the last one
     ends, until `requests` are done; return (output tokens/s, TTFT p50 in s)."""
-    async with _client(key) as client:
-        pending = iter(range(requests))
-        results: list[tuple[float, int]] = []
+    prepared = [_request(url, PROMPTS[i % len(PROMPTS)], tokens, key) for i in range(requests)]
+    pending = iter(prepared)
+    results: list[Stream] = []
 
-        async def one_client() -> None:
-            for i in pending:
-                results.append(await _one(client, url, PROMPTS[i % len(PROMPTS)], tokens))
+    async def one_client() -> None:
+        for request in pending:
+            results.append(await stream(url, request, chat=False))
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    return sum(n for _, n in results) / elapsed, statistics.median(t for t, _ in results)
+    start = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    return sum(r.tokens for r in results) / elapsed, statistics.median(r.ttft_s for r in results)
 
 
 async def _burst(url: str, chats: int, tokens: int, key: str = "") -> tuple[float, float]:
     """`chats` streamed chat completions started together; return (output tokens/s over the
     whole burst, TTFT p50 in s)."""
-    async with _client(key) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(
-            *(_one(client, url, PROMPTS[i % len(PROMPTS)], tokens, chat=True) for i in range(chats))
-        )
-        elapsed = time.perf_counter() - start
-    return sum(n for _, n in results) / elapsed, statistics.median(t for t, _ in results)
+    prepared = [_request(url, PROMPTS[i % len(PROMPTS)], tokens, key, chat=True) for i in range(chats)]
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream(url, request, chat=True) for request in prepared))
+    elapsed = time.perf_counter() - start
+    return sum(r.tokens for r in results) / elapsed, statistics.median(r.ttft_s for r in results)
 
 
 def _transformers_tokens_per_s(checkpoint: Path, concurrency: int, tokens: int) -> float:
@@ -347,8 +315,8 @@ def main() -> None:
         for way in ways[1:]:
             _wait(lambda url=way.url + way.up_path: _up(url), 60, way.name)
         for way in ways:  # warm-up: vLLM's first batches are slow, and each server's first request
-            asyncio.run(_load(way.url, args.concurrency, 8, args.concurrency, way.key))
-            asyncio.run(_burst(way.url, 4, 8, way.key))  # and its first chat (the template compiles)
+            uvloop.run(_load(way.url, args.concurrency, 8, args.concurrency, way.key))
+            uvloop.run(_burst(way.url, 4, 8, way.key))  # and its first chat (the template compiles)
         for round_index in range(args.rounds):
             # In turn, so drift on a shared machine hits every way alike, and each round starts
             # with the next way, so no way always follows the same one.
@@ -357,13 +325,13 @@ def main() -> None:
                 if way.burst_only:
                     continue
                 cpu_before = _cpu_seconds(way.router_pid) if way.router_pid else 0.0
-                way.rounds.append(asyncio.run(_load(way.url, args.concurrency, args.tokens, requests, way.key)))
+                way.rounds.append(uvloop.run(_load(way.url, args.concurrency, args.tokens, requests, way.key)))
                 if way.router_pid:
                     way.router_cpu_s += _cpu_seconds(way.router_pid) - cpu_before
             for _ in range(args.bursts):
                 for way in turn:
                     cpu_before = time.process_time()
-                    way.bursts.append(asyncio.run(_burst(way.url, args.burst, args.tokens, way.key)))
+                    way.bursts.append(uvloop.run(_burst(way.url, args.burst, args.tokens, way.key)))
                     way.client_cpu_s += time.process_time() - cpu_before
     finally:
         request_stop(config.state_dir)
