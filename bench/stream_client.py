@@ -48,7 +48,7 @@ class _StreamedAnswer(asyncio.Protocol):
 
     def __init__(self, request: bytes, chat: bool, started: float, done: asyncio.Future[Stream]) -> None:
         self._request = request
-        self._text_field = b"content" if chat else b"text"
+        self._chat = chat
         self._started = started
         self._done = done
         self._parser = httptools.HttpResponseParser(self)
@@ -84,7 +84,7 @@ class _StreamedAnswer(asyncio.Protocol):
         data = json.loads(event[6:])
         if self._ttft != self._ttft and data.get("choices"):
             choice = data["choices"][0]
-            if choice.get("delta", {}).get("content") if self._text_field == b"content" else choice.get("text"):
+            if choice.get("delta", {}).get("content") if self._chat else choice.get("text"):
                 self._ttft = time.perf_counter() - self._started
         if data.get("usage"):
             self._tokens = data["usage"]["completion_tokens"]
