@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 
@@ -27,6 +28,18 @@ def gpus() -> list[dict[str, Any]]:
 
 def cpu_slots(count: int) -> list[dict[str, Any]]:
     return [{"index": i, "kind": "cpu", "model": "cpu", "memory_mb": 0} for i in range(count)]
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (/proc/cpuinfo; none where it has no such file): the control plane
+    places a replica only on a host whose CPU has the kernels its options need (int4: AVX-512)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []
 
 
 def usable_cores() -> list[int]:

@@ -11,7 +11,7 @@ import urllib.request
 from typing import Any
 
 from hostworker.config import HostConfig
-from hostworker.devices import detect
+from hostworker.devices import cpu_flags, detect
 from hostworker.processes import Processes
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Heartbeat:
         self.config = config
         self.processes = processes
         self.devices = detect(config.cpu_slots)
+        self.cpu_flags = cpu_flags()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
@@ -56,6 +57,7 @@ class Heartbeat:
             "devices": self.devices,
             "labels": self.config.labels,
             "cores": os.cpu_count() or 1,
+            "cpu_flags": self.cpu_flags,
             "running": self.processes.running(),
         }
 

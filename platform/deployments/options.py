@@ -17,10 +17,13 @@ from typing import Any
 from django.conf import settings
 
 from controlplane.exceptions import InvalidInput
+from hosts import capacity
+from hosts.models import Host
+from hostworker.devices import cpu_flags
 from runs import exports, quantized
 from runs.models import Checkpoint, QuantizedExport
 from serving import export_store
-from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible
+from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, check_device
 from training.config import ModelConfig
 from training.hf_format import EXPORT_DTYPE, hf_config
 from training.run_dir import CHECKPOINT_SPEC, CheckpointDir
@@ -28,7 +31,49 @@ from training.storage import Storage, local_root
 
 
 def device() -> DeviceInfo:
-    return DeviceInfo.local_cpu() if settings.SERVING_DEVICE == "cpu" else DeviceInfo(kind="cuda")
+    """This machine's device: where replicas run while no host has registered."""
+    if settings.SERVING_DEVICE == "cpu":
+        return DeviceInfo(kind="cpu", cpu_flags=frozenset(cpu_flags()))
+    return DeviceInfo(kind="cuda")
+
+
+def host_refusal(options: ReplicaOptions, host: Host) -> str | None:
+    """Why replicas with these options cannot run on `host` (its CPU lacks a kernel they need),
+    or None. Placement leaves such hosts out."""
+    refusal = _refusal(options, host)
+    return refusal.message if refusal else None
+
+
+def _refusal(options: ReplicaOptions, host: Host) -> OptionError | None:
+    try:
+        check_device(options, host.serving_device())
+    except OptionError as exc:
+        return exc
+    return None
+
+
+def replica_device(options: ReplicaOptions) -> DeviceInfo:
+    """The device a new deployment's options are checked against: this machine's while no host
+    has registered; else a ready host's that can run them (placement takes only such hosts). When
+    every ready host refuses, raises their reasons; with none ready, the device's facts are
+    unknown and placement has the word at start."""
+    if not capacity.cluster_exists():
+        return device()
+    kind = "gpu" if options.device == "cuda" else "cpu"
+    refusals: dict[str, OptionError] = {}
+    for host in Host.objects.filter(status=Host.Status.READY).order_by("pk"):
+        if host.device_kind != kind:
+            continue
+        refusal = _refusal(options, host)
+        if refusal is None:
+            return host.serving_device()
+        refusals[host.name] = refusal
+    if refusals:
+        first = next(iter(refusals.values()))
+        raise OptionError(
+            first.field, "no ready host can run it: " + "; ".join(f"host {n}: {r.message}" for n, r in refusals.items())
+        )
+    return DeviceInfo(kind=options.device)
 
 
 def export_info(checkpoint: Checkpoint) -> CheckpointInfo:
@@ -87,7 +132,7 @@ def resolve_options(
             cap = 1024 if settings.SERVING_DEVICE == "cpu" else 8192
             given["max_model_len"] = min(info.max_position_embeddings, cap)
         checked = ReplicaOptions.from_dict(given)
-        check_compatible(checked, info, device())
+        check_compatible(checked, info, replica_device(checked))
     except OptionError as exc:
         raise InvalidInput(f"options.{exc.field}", exc.message) from None
     except TypeError as exc:

@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from deployments import services, shipped
 from deployments.models import Deployment, Replica
-from deployments.options import stored_options
+from deployments.options import host_refusal, stored_options
 from hosts import capacity, scheduling
 from hosts.models import Host
 from runs import exports
@@ -89,7 +89,9 @@ def start(deployment: Deployment) -> int | None:
 def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
     options = stored_options(deployment.options)
     kind = "gpu" if options.device == "cuda" else "cpu"
-    placement = scheduling.place_deployment(deployment.pk, deployment.replicas, kind, options.tensor_parallel_size)
+    placement = scheduling.place_deployment(
+        deployment.pk, deployment.replicas, kind, options.tensor_parallel_size, refusal=lambda host: host_refusal(options, host)
+    )
     if isinstance(placement, str):
         raise RuntimeError(placement)
     configs = [(group, config_for(deployment, export_path, group)) for group in placement]

@@ -6,6 +6,8 @@ from typing import Any
 
 from django.db import models
 
+from serving.vllm import DeviceInfo
+
 
 class Host(models.Model):
     """A machine whose host worker registered with the cluster's join token and heartbeats.
@@ -24,6 +26,9 @@ class Host(models.Model):
     devices = models.JSONField(default=list)
     labels = models.JSONField(default=dict, blank=True)
     cores = models.IntegerField(default=0, help_text="CPU cores the host reports (CPU replicas are pinned to them).")
+    cpu_flags = models.JSONField(
+        default=list, blank=True, help_text="The host CPU's feature flags: which replica kernels it can run."
+    )
     running = models.JSONField(default=list, blank=True, help_text="What the host worker last said it runs.")
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.READY, db_index=True)
     last_seen = models.DateTimeField(null=True, blank=True)
@@ -48,6 +53,13 @@ class Host(models.Model):
     def device_indexes(self) -> list[int]:
         kind = self.device_kind
         return sorted(int(d["index"]) for d in self.devices if d.get("kind") == kind)
+
+    def serving_device(self) -> DeviceInfo:
+        """The device a replica placed here runs on, as the host reported it (flags it never
+        reported are unknown, and vLLM on the host has the last word)."""
+        if self.device_kind == "gpu":
+            return DeviceInfo(kind="cuda")
+        return DeviceInfo(kind="cpu", cpu_flags=frozenset(self.cpu_flags))
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "address": self.address, "kind": self.device_kind}

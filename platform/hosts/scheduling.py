@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -216,10 +217,17 @@ class ReplicaGroup:
         return list(range(self.first_replica, self.first_replica + len(self.devices) // self.per_replica))
 
 
-def place_deployment(deployment_id: int, replicas: int, kind: str, per_replica: int = 1) -> list[ReplicaGroup] | str:
+def place_deployment(
+    deployment_id: int,
+    replicas: int,
+    kind: str,
+    per_replica: int = 1,
+    refusal: Callable[[Host], str | None] = lambda host: None,
+) -> list[ReplicaGroup] | str:
     """`per_replica` free devices of `kind` ("gpu" or "cpu") on one ready host for each replica,
     claimed for the deployment in one transaction (host rows locked, as for runs); or why there
-    are none.
+    are none. `refusal` says why a host cannot run these replicas (its CPU lacks a kernel they
+    need), or None: such a host is left out, and named in the answer when they do not fit.
 
     Replicas spread over hosts as a run's nodes do (a lost host then costs one replica, not
     all); the replicas that share a host share its supervisor and are numbered consecutively. A
@@ -228,18 +236,21 @@ def place_deployment(deployment_id: int, replicas: int, kind: str, per_replica: 
         hosts = list(Host.objects.select_for_update().order_by("pk"))
         DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"]).delete()
         this = Pass(hosts)
-        need = Need(nodes=replicas, per_node=per_replica)
-        gang = place(need, {kind: this.ready.get(kind, [])}, this.free)
+        refused = {h.name: reason for h in this.ready.get(kind, []) if (reason := refusal(h)) is not None}
+        ready = [h for h in this.ready.get(kind, []) if h.name not in refused]
+        gang = place(Need(nodes=replicas, per_node=per_replica), {kind: ready}, this.free)
         if gang is None:
-            ready = this.ready.get(kind, [])
             if per_replica == 1:
                 free = sum(len(this.free[h.pk]) for h in ready)
-                return f"needs {devices_word(kind, replicas)} free on ready hosts, one per replica; {free} free now"
-            room = sum(len(this.free[h.pk]) // per_replica for h in ready)
-            return (
-                f"needs {replicas} replicas × {devices_word(kind, per_replica)} free on one host each "
-                f"(tensor_parallel_size); the ready hosts have room for {room} now"
-            )
+                why = f"needs {devices_word(kind, replicas)} free on ready hosts, one per replica; {free} free now"
+            else:
+                room = sum(len(this.free[h.pk]) // per_replica for h in ready)
+                why = (
+                    f"needs {replicas} replicas × {devices_word(kind, per_replica)} free on one host each "
+                    f"(tensor_parallel_size); the ready hosts have room for {room} now"
+                )
+            left_out = "; ".join(f"host {name}: {reason}" for name, reason in refused.items())
+            return f"{why}; left out: {left_out}" if refused else why
         on_host: dict[int, list[int]] = defaultdict(list)
         by_id = {}
         for host, devices in gang:

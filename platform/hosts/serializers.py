@@ -25,6 +25,10 @@ class HeartbeatSerializer(serializers.Serializer):
     devices = DeviceSerializer(many=True, max_length=4096)  # type: ignore[call-arg]
     labels = serializers.DictField(child=Text(max_length=200, allow_blank=True), required=False, default=dict)
     cores = serializers.IntegerField(min_value=0, max_value=65536, required=False, default=0)
+    cpu_flags = serializers.ListField(
+        child=serializers.RegexField(r"^[a-z0-9_.]{1,64}$"), required=False, default=list, max_length=1024,
+        help_text="The CPU's feature flags (/proc/cpuinfo): which replica kernels the host can run.",
+    )  # fmt: skip
     running = serializers.ListField(child=serializers.DictField(), required=False, default=list, max_length=10000)
 
     def validate_devices(self, devices: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -17,7 +17,13 @@ log = logging.getLogger(__name__)
 
 
 def do_heartbeat(
-    name: str, address: str, devices: list[dict[str, Any]], labels: dict[str, str], running: list[Any], cores: int = 0
+    name: str,
+    address: str,
+    devices: list[dict[str, Any]],
+    labels: dict[str, str],
+    running: list[Any],
+    cores: int = 0,
+    cpu_flags: list[str] | None = None,
 ) -> Host:
     """Registers the host on its first beat, refreshes it on the next ones. A lost host that
     beats again is ready again; a draining one stays draining until an administrator undrains it."""
@@ -32,6 +38,7 @@ def do_heartbeat(
                 "running": running,
                 "last_seen": now,
                 "cores": cores,
+                "cpu_flags": cpu_flags or [],
             },
         )
         if created:
@@ -39,7 +46,7 @@ def do_heartbeat(
         else:
             came_back = host.status == Host.Status.LOST
             grew = host.devices != devices or host.address != address
-            host.cores = cores
+            host.cores, host.cpu_flags = cores, cpu_flags or []
             host.address, host.devices, host.labels, host.running, host.last_seen = (
                 address,
                 devices,

@@ -15,6 +15,7 @@ import pytest
 
 from deployments.models import Deployment
 from deployments.options import export_info
+from hosts.models import Host
 from runs import exports
 from runs.models import Checkpoint, QuantizedExport, Run
 from serving.vllm import CheckpointInfo, DeviceInfo
@@ -111,6 +112,39 @@ def test_an_int4_deploy_on_an_avx2_cpu_is_refused_before_anything_is_quantized(a
     assert refused.status_code == 400
     assert "'int4' on cpu needs AVX-512" in refused.json()["options"]["quantization"][0]
     assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
+
+
+AVX2 = ["avx", "avx2", "fma"]
+AVX512 = ["avx", "avx2", "avx512f", "avx512bw", "fma"]
+
+
+def test_once_hosts_have_joined_an_int4_deploy_is_checked_against_their_cpus_not_this_machines(
+    alice_api, checkpoint, monkeypatch
+):
+    # This machine's CPU could serve int4; the only ready host's cannot, and it decides.
+    monkeypatch.setattr("deployments.options.device", lambda: DeviceInfo(kind="cpu", cpu_flags=frozenset(AVX512)))
+    Host.objects.create(name="old", address="10.9.0.41", devices=[{"index": 0, "kind": "cpu"}], cpu_flags=AVX2)
+    Host.objects.create(name="gone", address="10.9.0.42", devices=[{"index": 0, "kind": "cpu"}], cpu_flags=AVX512,
+                        status=Host.Status.LOST)  # fmt: skip
+    refused = alice_api.post("/api/deployments/", {"checkpoint": checkpoint.pk, "quantization": "int4"}, format="json")
+    assert refused.status_code == 400
+    assert refused.json()["options"]["quantization"] == [
+        "no ready host can run it: host old: 'int4' on cpu needs AVX-512: vLLM's CPU build has its 4-bit kernel "
+        "only for AVX-512 CPUs, and this one has AVX2 at most; serve 'int8_w8a8' or the float model"
+    ]
+    assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
+    # The float model needs no such kernel: the same host takes it.
+    float_model = alice_api.post(
+        "/api/deployments/", {"checkpoint": checkpoint.pk, "served_model_name": "float"}, format="json"
+    )
+    assert float_model.status_code == 201, float_model.content
+    # Once a ready host can run int4, the deploy is taken (placement then gives it only such hosts).
+    Host.objects.filter(name="gone").update(status=Host.Status.READY)
+    created = alice_api.post(
+        "/api/deployments/", {"checkpoint": checkpoint.pk, "quantization": "int4", "served_model_name": "int4"}, format="json"
+    )
+    assert created.status_code == 201, created.content
+    assert created.json()["quantization"] == "int4"
 
 
 def test_an_int8_deploy_of_a_fresh_export_queues_its_quantization_and_waits_for_it(alice_api, checkpoint):

@@ -121,6 +121,9 @@ def test_a_run_placed_on_a_host_worker_trains_there_is_cancelled_there_and_frees
         wait_until(lambda: client.get("/api/hosts/").json()["count"] == 1, 120, "the host to join")
         listed = client.get("/api/hosts/").json()["results"][0]
         assert (listed["name"], listed["kind"], listed["free"], listed["status"]) == ("local", "cpu", 2, "ready")
+        # Its CPU's flags, as this machine's /proc/cpuinfo lists them: placement reads them.
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        assert Host.objects.get().cpu_flags == sorted(flags.split(":", 1)[1].split())
 
         spec = {"layout": {"dp": 2}, "train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 3}}
         run_id = client.post("/api/runs/", json={"name": "on a host", "spec": spec}).json()["id"]

@@ -74,6 +74,18 @@ def test_a_heartbeat_with_a_bad_body_names_the_field(client, join_token):
     assert response.status_code == 400 and "name" in response.json()
     response = beat(client, devices=[{"index": 0, "kind": "cpu"}, {"index": 0, "kind": "cpu"}])
     assert response.status_code == 400 and "devices" in response.json()
+    response = beat(client, cpu_flags=["avx2", "rm -rf"])
+    assert response.status_code == 400 and list(response.json()) == ["cpu_flags"]
+    assert not Host.objects.exists()
+
+
+def test_a_heartbeat_keeps_the_hosts_cpu_flags_and_a_worker_that_sends_none_has_unknown_ones(client, join_token):
+    assert beat(client, cpu_flags=["avx", "avx2", "fma"]).status_code == 200
+    assert Host.objects.get().cpu_flags == ["avx", "avx2", "fma"]
+    assert Host.objects.get().serving_device().has_cpu_int4_kernel is False
+    assert beat(client).status_code == 200  # an older host worker
+    assert Host.objects.get().cpu_flags == []
+    assert Host.objects.get().serving_device().has_cpu_int4_kernel is True  # vLLM on the host has the last word
 
 
 def test_hosts_are_for_signed_in_users_only(client):

@@ -16,12 +16,14 @@ from django.utils import timezone
 
 from deployments import services as deployment_services
 from deployments.models import Deployment
+from deployments.options import host_refusal
 from hosts.models import DeviceClaim, Host
 from hosts.scheduling import place_deployment
 from hosts.tasks import schedule_and_start, watch_hosts
 from runs import services
 from runs.models import Checkpoint, Run
 from runs.tasks import LAUNCH_GRACE, launch_run, reconcile_runs
+from serving.vllm import ReplicaOptions
 from tests.platform.conftest import purge_broker
 
 pytestmark = pytest.mark.django_db
@@ -274,6 +276,36 @@ def test_replicas_beyond_one_per_host_share_a_host_under_consecutive_numbers(ali
     # the third; each host's replicas are numbered in a row, for its one supervisor.
     assert [(g.host.name, g.devices, g.first_replica) for g in groups] == [("small", [0], 0), ("big", [0, 1], 1)]
     assert sorted(DeviceClaim.objects.filter(deployment=deployment).values_list("node", flat=True)) == [0, 1, 2]
+
+
+def test_int4_replicas_go_only_to_hosts_whose_cpu_has_the_kernel_and_the_others_are_named(alice):
+    purge_host_queues()
+    Host.objects.create(name="avx2", address="10.9.0.51", devices=[{"index": i, "kind": "cpu"} for i in range(4)],
+                        cpu_flags=["avx", "avx2", "fma"])  # fmt: skip
+    Host.objects.create(name="avx512", address="10.9.0.52", devices=[{"index": 0, "kind": "cpu"}],
+                        cpu_flags=["avx", "avx2", "avx512f", "fma"])  # fmt: skip
+    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    deployment = Deployment.objects.create(owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=2)
+    int4 = ReplicaOptions(device="cpu", quantization="int4", dtype="bfloat16")
+
+    def refusal(host: Host) -> str | None:
+        return host_refusal(int4, host)
+
+    # The AVX2 host's four free slots do not count: its vLLM build has no 4-bit kernel.
+    assert place_deployment(deployment.pk, 2, "cpu", refusal=refusal) == (
+        "needs 2 CPU slots free on ready hosts, one per replica; 1 free now; left out: host avx2: 'int4' on cpu "
+        "needs AVX-512: vLLM's CPU build has its 4-bit kernel only for AVX-512 CPUs, and this one has AVX2 at most; "
+        "serve 'int8_w8a8' or the float model"
+    )
+    assert not DeviceClaim.objects.exists()
+    groups = place_deployment(deployment.pk, 1, "cpu", refusal=refusal)
+    assert [(g.host.name, g.devices) for g in groups] == [("avx512", [0])]
+    # The float model runs anywhere: the emptier AVX2 host is fine for it.
+    float_model = ReplicaOptions(device="cpu")
+    other = Deployment.objects.create(owner=alice, name="f", checkpoint=checkpoint, served_model_name="f", replicas=1)
+    groups = place_deployment(other.pk, 1, "cpu", refusal=lambda host: host_refusal(float_model, host))
+    assert [g.host.name for g in groups] == ["avx2"]
 
 
 def test_tensor_parallel_replicas_take_their_gpus_on_one_host_each(alice):

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from hostworker.devices import cpu_flags
 from serving.quality import Choices, next_token_choices, top1_agreement
 from serving.quantize import SUMMARY_FILE, folder_size
 from serving.tiny_checkpoint import TinyLlamaSpec, generated_text
@@ -39,7 +40,7 @@ PROMPTS = generated_text(32, seed=1234)
 # other way, while a broken quantization (a wrong scale layout, a layer left out, a lost group
 # order) parts from the float model far more often and at confident positions.
 MIN_TOP1 = {"int8": 0.97, "int4": 0.93}
-HOST = DeviceInfo.local_cpu()
+HOST = DeviceInfo(kind="cpu", cpu_flags=frozenset(cpu_flags()))
 TIE_NATS = 1.0
 OPTIONS = ReplicaOptions(max_model_len=256, max_num_seqs=4, enforce_eager=True, dtype="float32")
 
