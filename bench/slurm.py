@@ -113,7 +113,10 @@ def main() -> None:
     cluster.start()
     try:
         base = dict(os.environ, OMP_NUM_THREADS="1", FATHOM_JOIN_TOKEN=JOIN_TOKEN, FATHOM_SCHEDULE_INTERVAL="1")
-        from controlplane.processes import free_port
+        from training.ports import REPLICA_PORTS, listen_port
+
+        def free_port() -> int:  # below the ephemeral range and the replicas'
+            return listen_port(range(20000, REPLICA_PORTS.start))
 
         slurm_env = {**base, **cluster.env(), "FATHOM_EXECUTOR": "slurm", "FATHOM_SLURM_POLL_INTERVAL": "1",
                      "FATHOM_PUBLIC_URL": f"http://127.0.0.1:{free_port()}"}  # fmt: skip

@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -60,6 +59,7 @@ from serving.state import (
     write_state,
 )
 from serving.vllm import LaunchSpec, OptionError, ReplicaOptions, replica_launch
+from training.ports import REPLICA_PORTS, listen_port
 
 # Run the replica's own argv after asking the kernel to SIGTERM it when its parent (this
 # supervisor) dies; exit at once if the parent is already gone. execvp keeps the setting.
@@ -96,6 +96,9 @@ class DeploymentConfig:
     # options.cpu_threads_bind for all, or, started by a host worker, the cores of the slots it
     # claimed. vLLM's "auto" pins every replica to the same first core.
     cpu_binds: tuple[str, ...] = ()
+    # The ports (first, last) replicas listen on at `host`, each a free one picked at its start:
+    # below the ephemeral range, which outgoing connections take (training.ports).
+    ports: tuple[int, int] = (REPLICA_PORTS.start, REPLICA_PORTS.stop - 1)
     # A replica not answering /health by then is killed and restarted. Eager CPU start is ~30 s,
     # a first compiled start ~130 s; GPU starts of large models take minutes.
     ready_timeout_s: float = 600.0
@@ -135,6 +138,10 @@ class DeploymentConfig:
         if isinstance(self.options, dict):
             object.__setattr__(self, "options", ReplicaOptions.from_dict(self.options))
         object.__setattr__(self, "cpu_binds", tuple(self.cpu_binds))
+        ports = tuple(self.ports)
+        object.__setattr__(self, "ports", ports)
+        if not (len(ports) == 2 and all(_is_port(p) for p in ports) and ports[0] <= ports[1]):
+            raise OptionError("ports", f"must be [first, last], ports from 1024 to 65535, first <= last; got {list(ports)!r}")
         for bind in self.cpu_binds:
             dataclasses.replace(self.options, cpu_threads_bind=bind)  # validates the core list
         for name in (
@@ -156,6 +163,7 @@ class DeploymentConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["cpu_binds"] = list(self.cpu_binds)
+        data["ports"] = list(self.ports)
         return data
 
     def write(self) -> Path:
@@ -166,12 +174,8 @@ class DeploymentConfig:
         return path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now. Another process may take it before vLLM binds it; the replica then
-    exits and its restart picks a new port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def _is_port(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1024 <= value <= 65535
 
 
 def replica_gpus(visible: str | None, local_index: int, per_replica: int) -> str | None:
@@ -265,42 +269,69 @@ class Supervisor:
 
     async def _keep_running(self, replica: ReplicaState) -> None:
         failures_in_a_row = 0
+        while not self._stopping:
+            ended = await self._one_life(replica)
+            if ended is None:  # the supervisor is stopping
+                return
+            code, message, stayed_ready = ended
+            if stayed_ready:
+                failures_in_a_row = 0
+            replica.last_exit_code = code
+            self._emit("replica_died", replica, exit_code=code, message=message)
+            delay = min(self.config.restart_backoff_s * 2**failures_in_a_row, self.config.restart_backoff_max_s)
+            failures_in_a_row += 1
+            replica.restarts += 1
+            self._set_phase(replica, "restarting")
+            self._emit("replica_restarting", replica, delay_s=delay)
+            await asyncio.sleep(delay)
+
+    async def _one_life(self, replica: ReplicaState) -> tuple[int | None, str, bool] | None:
+        """Starts the replica and watches it until it dies. Returns its exit code (None: it never
+        started), what happened, and whether it had stayed ready for backoff_reset_s; or None
+        when the supervisor stops meanwhile."""
+        try:
+            port = self._replica_port(replica)
+        except OSError as exc:
+            return None, f"not started: {exc}", False
         proc: asyncio.subprocess.Process | None = None
         try:
-            while not self._stopping:
-                proc, launch = await self._spawn(replica)
-                if self._stopping:  # stop() ran while the process was being created
-                    await self._terminate(proc, grace_s=self.config.stop_grace_s)
-                    return
-                message = ""
-                if await self._wait_healthy(replica, proc, launch):
-                    self._set_phase(replica, "ready", ready_at=time.time())
-                    self._emit("replica_ready", replica)
-                    message = await self._watch(replica, proc, launch)
-                    if replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s:
-                        failures_in_a_row = 0
-                elif proc.returncode is None and not self._stopping:
-                    message = f"not healthy after {self.config.ready_timeout_s} s; killed. "
-                    await self._terminate(proc, grace_s=0)
-                # While stopping, stop() terminates the process; this only waits for it.
-                code = await proc.wait()
-                _kill_group(proc.pid, signal.SIGKILL)  # orphans of a replica killed from outside
-                if self._stopping:
-                    return
-                replica.last_exit_code = code
-                self._emit("replica_died", replica, exit_code=code, message=f"{message}exit code {code}")
-                delay = min(self.config.restart_backoff_s * 2**failures_in_a_row, self.config.restart_backoff_max_s)
-                failures_in_a_row += 1
-                replica.restarts += 1
-                self._set_phase(replica, "restarting")
-                self._emit("replica_restarting", replica, delay_s=delay)
-                await asyncio.sleep(delay)
+            proc, launch = await self._spawn(replica, port)
+            if self._stopping:  # stop() ran while the process was being created
+                await self._terminate(proc, grace_s=self.config.stop_grace_s)
+                return None
+            message, stayed_ready = "", False
+            if await self._wait_healthy(replica, proc, launch):
+                self._set_phase(replica, "ready", ready_at=time.time())
+                self._emit("replica_ready", replica)
+                message = await self._watch(replica, proc, launch)
+                stayed_ready = bool(replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s)
+            elif proc.returncode is None and not self._stopping:
+                message = f"not healthy after {self.config.ready_timeout_s} s; killed. "
+                await self._terminate(proc, grace_s=0)
+            # While stopping, stop() terminates the process; this only waits for it.
+            code = await proc.wait()
+            _kill_group(proc.pid, signal.SIGKILL)  # orphans of a replica killed from outside
+            if self._stopping:
+                return None
+            return code, f"{message}exit code {code}", stayed_ready
         finally:
             # Cancelled or failed mid-way: never leave a replica running without a supervisor.
             if proc is not None and proc.returncode is None:
                 _kill_group(proc.pid, signal.SIGKILL)
 
-    async def _spawn(self, replica: ReplicaState) -> tuple[asyncio.subprocess.Process, LaunchSpec]:
+    def _replica_port(self, replica: ReplicaState) -> int:
+        """A port of the configured range that nothing on the host holds now and no other replica
+        of this supervisor was given: a replica binds its port only once its model is loaded, so
+        two starting together must not be handed the same one. Raises OSError when none is left."""
+        first, last = self.config.ports
+        given = {r.port for r in self._replicas if r is not replica and r.port}
+        candidates = [p for p in range(first, last + 1) if p not in given]
+        if not candidates:
+            raise OSError(f"every port in {first}-{last} is given to another replica of this supervisor")
+        replica.port = listen_port(candidates, self.config.host)
+        return replica.port
+
+    async def _spawn(self, replica: ReplicaState, port: int) -> tuple[asyncio.subprocess.Process, LaunchSpec]:
         cfg = self.config
         local = replica.index - cfg.first_replica
         binds = cfg.cpu_binds or self._host_slot_binds
@@ -312,7 +343,7 @@ class Supervisor:
         )
         launch = replica_launch(
             cfg.options, cfg.checkpoint,
-            served_model_name=cfg.name, port=free_port(cfg.host), python=cfg.python,
+            served_model_name=cfg.name, port=port, python=cfg.python,
             state_dir=self._state_dir, host=cfg.host, cpu_threads_bind=bind, gpus=gpus,
         )  # fmt: skip
         Path(launch.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)  # may lie outside state_dir

@@ -1,12 +1,14 @@
-"""The port a run's rendezvous listens on, chosen before the process that listens has started.
+"""Ports that a process listens on after it was picked for it: a run's rendezvous store, a
+deployment's replicas.
 
 A port from `bind(("", 0))` lies in the kernel's ephemeral range, where every outgoing connection
 also takes its local port. Between the pick and the listener's bind (an agent imports torch
-first: seconds on a busy machine) a connection can take it, and the store fails with
-EADDRINUSE: a CI run saw a Slurm job's agent die so. Rendezvous ports therefore come from a
-range below the ephemeral one, which only an explicit bind ever takes; the same range the
-scheduler gives runs on hosts (`FATHOM_RENDEZVOUS_PORT_MIN`..`MAX`), so one firewall rule
-covers every rendezvous.
+first, a vLLM replica loads its model: seconds to minutes on a busy machine) a connection can
+take it, and the listener fails with EADDRINUSE: a CI run saw a Slurm job's agent die so. These
+ports therefore come from ranges below the ephemeral one, which only an explicit bind ever
+takes; rendezvous ports from the range the scheduler gives runs on hosts
+(`FATHOM_RENDEZVOUS_PORT_MIN`..`MAX`), replica ports from `FATHOM_REPLICA_PORT_MIN`..`MAX`, so
+one firewall rule covers each.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Sequence
 
 # Below Linux's default ephemeral range (32768-60999); torch's usual 29500 is one of them.
 RENDEZVOUS_PORTS = range(29400, 30000)
+# Just below the rendezvous ports: a replica per port on a host.
+REPLICA_PORTS = range(28400, 29400)
 
 
 def listen_port(ports: Sequence[int] = RENDEZVOUS_PORTS, host: str = "127.0.0.1") -> int:

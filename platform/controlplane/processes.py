@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from django.conf import settings
 # (it runs without Django).
 from hostworker.processes import is_alive
 
-__all__ = ["flock_held", "free_port", "is_alive", "python_env", "start_detached"]
+__all__ = ["flock_held", "is_alive", "python_env", "start_detached"]
 
 
 def python_env() -> dict[str, str]:
@@ -54,8 +53,3 @@ def flock_held(path: Path) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -27,6 +27,7 @@ from runs.slurm_options import SlurmOptionError
 from runs.slurm_options import check as check_slurm_options
 from runs.slurm_options import check_signal_lead as check_slurm_signal_lead
 from training.ports import RENDEZVOUS_PORTS as DEFAULT_RENDEZVOUS_PORTS
+from training.ports import REPLICA_PORTS as DEFAULT_REPLICA_PORTS
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FRONTEND_DIR = REPO_DIR / "frontend"
@@ -240,6 +241,12 @@ CELERY_BEAT_SCHEDULE["watch-hosts"] = {"task": "hosts.tasks.watch_hosts", "sched
 RENDEZVOUS_PORTS = range(
     env_int("FATHOM_RENDEZVOUS_PORT_MIN", DEFAULT_RENDEZVOUS_PORTS.start),
     env_int("FATHOM_RENDEZVOUS_PORT_MAX", DEFAULT_RENDEZVOUS_PORTS.stop - 1) + 1,
+)
+# Ports a deployment's replicas listen on, on this machine or a host (each replica takes one free
+# at its start): below the ephemeral range too, for the same reason, and one firewall rule.
+REPLICA_PORTS = range(
+    env_int("FATHOM_REPLICA_PORT_MIN", DEFAULT_REPLICA_PORTS.start),
+    env_int("FATHOM_REPLICA_PORT_MAX", DEFAULT_REPLICA_PORTS.stop - 1) + 1,
 )
 
 # --- Executor: what starts a run's node agents (runs/executors.py) ------------------------------

@@ -53,6 +53,7 @@ def config_for(deployment: Deployment, export_path: str, group: scheduling.Repli
         options=options,
         # Replicas listen on their host's address, where the router reaches them.
         host=host.address if host is not None else "127.0.0.1",
+        ports=(settings.REPLICA_PORTS.start, settings.REPLICA_PORTS.stop - 1),
         # On CPU, vLLM's "auto" binding pins every replica to the same first core; spread them
         # (on a host, its worker knows its cores and names each slot's to the supervisor).
         cpu_binds=tuple(str(slot % cores) for slot in range(deployment.replicas))

@@ -18,19 +18,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port
 from training.config import RunSpec, tiny
-from training.ports import RENDEZVOUS_PORTS, listen_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # Seconds an agent run may take before the test fails instead of hanging.
 AGENT_TIMEOUT = 300.0
-
-
-def free_port() -> int:
-    """A port for a server or rendezvous a test starts: free now, and below the kernel's
-    ephemeral range, so no connection of the busy suite takes it before the server binds it
-    (training/ports.py). Apart from the product's rendezvous range, which its runs take."""
-    return listen_port(range(20000, RENDEZVOUS_PORTS.start))
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

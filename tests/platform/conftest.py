@@ -22,7 +22,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlplane.web import web_command
-from training.ports import RENDEZVOUS_PORTS, listen_port
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,13 +62,6 @@ def bob_api(bob) -> APIClient:
 @pytest.fixture
 def charlie_api(charlie) -> APIClient:
     return client_for(charlie)
-
-
-def free_port() -> int:
-    """A port for a server or rendezvous a test starts: free now, and below the kernel's
-    ephemeral range, so no connection of the busy suite takes it before the server binds it
-    (training/ports.py). Apart from the product's rendezvous range, which its runs take."""
-    return listen_port(range(20000, RENDEZVOUS_PORTS.start))
 
 
 def database_url() -> str:
@@ -166,10 +159,11 @@ def purge_broker() -> None:
 
 
 class CeleryWorker:
-    def __init__(self, log: Path, public_url: str, beat: bool = False) -> None:
+    def __init__(self, log: Path, public_url: str, beat: bool = False, env: dict[str, str] | None = None) -> None:
         self.log = log
         self.public_url = public_url
         self.beat = beat
+        self.env = env or {}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -181,7 +175,8 @@ class CeleryWorker:
                  "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat", *extra],
                 cwd=REPO / "platform",
                 env=process_env(
-                    FATHOM_PUBLIC_URL=self.public_url, FATHOM_DEPLOYMENT_SYNC_INTERVAL="1", FATHOM_RECONCILE_INTERVAL="5"
+                    FATHOM_PUBLIC_URL=self.public_url, FATHOM_DEPLOYMENT_SYNC_INTERVAL="1", FATHOM_RECONCILE_INTERVAL="5",
+                    **self.env,
                 ),
                 stdout=out,
                 stderr=subprocess.STDOUT,

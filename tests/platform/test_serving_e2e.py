@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
 import torch
 import transformers
+from django.conf import settings
 from rest_framework.authtoken.models import Token
 
 from deployments.models import Deployment
+from tests.platform.conftest import CeleryWorker, purge_broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -43,8 +47,23 @@ def wait_for(fetch, predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {value}")
 
 
+# The replicas' ports as an administrator narrowed them (a firewall rule's range).
+REPLICA_PORTS = range(28700, 28720)
+
+
+@pytest.fixture
+def worker_with_replica_ports(transactional_db, tmp_path) -> Iterator[CeleryWorker]:
+    purge_broker()
+    worker = CeleryWorker(tmp_path / "worker.log", settings.PUBLIC_URL, beat=True, env={
+        "FATHOM_REPLICA_PORT_MIN": str(REPLICA_PORTS.start), "FATHOM_REPLICA_PORT_MAX": str(REPLICA_PORTS.stop - 1),
+    })  # fmt: skip
+    worker.start()
+    yield worker
+    worker.stop()
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_trained_checkpoint_is_served_by_two_replicas_through_fathom(alice, live_web, celery_worker_with_beat):
+def test_a_trained_checkpoint_is_served_by_two_replicas_through_fathom(alice, live_web, worker_with_replica_ports):
     token = Token.objects.get_or_create(user=alice)[0].key
     api = httpx.Client(base_url=live_web.url, headers={"Authorization": f"Token {token}"}, timeout=60)
     dataset = api.post("/api/datasets/", files={"file": ("counting.txt", CORPUS.encode())}).json()
@@ -68,6 +87,7 @@ def test_a_trained_checkpoint_is_served_by_two_replicas_through_fathom(alice, li
         )
         assert deployment["status"] == "ready", deployment
         assert [r["status"] for r in deployment["replica_set"]] == ["ready", "ready"]
+        assert all(urlsplit(r["url"]).port in REPLICA_PORTS for r in deployment["replica_set"]), deployment
         key = api.post(f"/api/deployments/{deployment_id}/keys/", json={"name": "test"}).json()["key"]
 
         client = openai.OpenAI(base_url=f"{live_web.url}/v1", api_key=key, max_retries=0, timeout=120)

@@ -25,6 +25,7 @@ from serving.state import read_events, read_state
 from serving.supervisor import request_stop
 from serving.vllm import REPLICA_KEEPALIVE_S, ReplicaOptions
 from tests.serving.conftest import RunningDeployment, process_alive, start_deployment, wait_until
+from training.ports import REPLICA_PORTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -93,6 +94,8 @@ def test_the_supervisor_reports_every_replica_ready_with_its_own_port_and_logs(d
     assert state is not None and len(state.replicas) == 2
     assert {r.phase for r in state.replicas} == {"ready"}
     assert len({r.port for r in state.replicas}) == 2
+    # From the replicas' range, below the ephemeral ports outgoing connections take.
+    assert all(r.port in REPLICA_PORTS for r in state.replicas)
     assert all(r.pid and process_alive(r.pid) for r in state.replicas)
     assert all(Path(r.log).stat().st_size > 0 for r in state.replicas)
     kinds = [(e.kind, e.replica) for e in events_of(deployment)]

@@ -298,10 +298,13 @@ def test_a_deployment_config_round_trips_through_json_and_checks_its_fields(tmp_
         python="py",
         replicas=2,
         cpu_binds=("0", "1"),
+        ports=(31000, 31099),
         options=ReplicaOptions(kv_cache_gib=2),
     )
     again = DeploymentConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config
     assert error_of(dataclasses.replace, config, replicas=0).field == "replicas"
+    for ports in ((31099, 31000), (80, 81), (31000,), (31000, 70000)):
+        assert error_of(dataclasses.replace, config, ports=ports).field == "ports"
     assert error_of(dataclasses.replace, config, cpu_binds=("zero",)).field == "cpu_threads_bind"
     assert error_of(DeploymentConfig.from_dict, {**config.to_dict(), "replica": 3}).field == "replica"

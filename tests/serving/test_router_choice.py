@@ -19,7 +19,7 @@ from serving.router import (
     UpstreamResponse,
 )
 from serving.state import DeploymentDir, DeploymentState, Phase, ReplicaState, read_state, write_state
-from serving.supervisor import free_port
+from tests.ports import free_port
 
 
 class ScriptedBackend:

@@ -5,13 +5,16 @@ real vLLM replicas: test_deployment.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import stat
 import sys
 from pathlib import Path
 
 from serving.state import ReplicaEvent, read_events, read_state
 from serving.supervisor import DeploymentConfig, Supervisor
+from tests.ports import free_port
 from tests.serving.conftest import process_alive
 
 
@@ -61,6 +64,41 @@ async def test_a_replica_that_keeps_dying_is_restarted_with_doubling_capped_dela
     assert events[-1].kind == "replica_stopped"
     # The callback and events.jsonl tell the same story.
     assert [e.kind for e in read_events(tmp_path / "state")[0]] == [e.kind for e in events]
+
+
+def three_free_ports() -> int:
+    """The first of three consecutive ports that nothing holds now."""
+    for _ in range(100):
+        first = free_port()
+        with contextlib.ExitStack() as probes:
+            try:
+                for port in (first + 1, first + 2):
+                    probes.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise AssertionError("no three consecutive free ports")
+
+
+async def test_replicas_take_ports_of_the_range_that_nothing_holds_and_one_left_without_is_retried(
+    tmp_path: Path,
+) -> None:
+    first = three_free_ports()
+    with socket.socket() as another_program:
+        another_program.bind(("127.0.0.1", first))
+        another_program.listen()
+        events: list[ReplicaEvent] = []
+        # Stand-ins that never bind: only the supervisor keeps two starting replicas apart.
+        cfg = config(tmp_path, stand_in(tmp_path, "exec sleep 600"), replicas=3, ports=(first, first + 2))
+        supervisor = Supervisor(cfg, on_event=events.append)
+        await supervisor.start()
+        await wait_for(lambda: any(e.kind == "replica_restarting" for e in events))
+        state = read_state(tmp_path / "state")
+        assert state is not None
+        assert sorted(r.port for r in state.replicas if r.phase == "starting") == [first + 1, first + 2]
+        died = next(e for e in events if e.kind == "replica_died")
+        assert died.exit_code is None and died.message.startswith("not started: every port in ")
+        await supervisor.stop()
 
 
 async def test_a_replica_that_never_becomes_healthy_is_killed_and_restarted(tmp_path: Path) -> None:
