@@ -63,9 +63,8 @@ class LocalExecutor:
     name = "local"
 
     def submit(self, run: Run) -> str:
-        folder, token = launcher.prepare(run)
-        Run.objects.filter(pk=run.pk).update(token_hash=launcher.hash_token(token))
-        pids = launcher.start_agents(run, folder, token)
+        launch = launcher.prepare(run)
+        pids = launcher.start_agents(run, launch.folder, launch.token)
         Run.objects.filter(pk=run.pk).update(agent_pids=pids)
         return f"started agents {pids}"
 
@@ -102,10 +101,9 @@ class SlurmExecutor:
     def submit(self, run: Run) -> str:
         """Writes the scripts and sbatches them; the job id replaces the claim's SUBMITTING.
         Raises slurm.SlurmError with what sbatch said."""
-        _, token = launcher.prepare(run)
-        Run.objects.filter(pk=run.pk).update(token_hash=launcher.hash_token(token))
+        launch = launcher.prepare(run)
         options = SlurmOptions(**run.slurm) if run.slurm else settings.SLURM_DEFAULTS
-        job_id = slurm.submit(slurm.write_scripts(run, options, token))
+        job_id = slurm.submit(slurm.write_scripts(run, options, launch.token))
         Run.objects.filter(pk=run.pk, slurm_job_id=slurm.SUBMITTING).update(slurm_job_id=job_id)
         return job_id
 

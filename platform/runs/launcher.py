@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 from django.conf import settings
@@ -27,8 +28,19 @@ from training.ports import listen_port
 from training.run_dir import RunDir
 
 
-def prepare(run: Run) -> tuple[Path, str]:
-    """Writes the run's spec file; returns the folder and the token of the run's current launch.
+@dataclass(frozen=True)
+class Launch:
+    """One launch of a run: its folder, its number (the run's `launch_attempts` when it was
+    prepared; host workers tag what they run with it) and its agents' token."""
+
+    folder: Path
+    number: int
+    token: str
+
+
+def prepare(run: Run) -> Launch:
+    """Writes the run's spec file and stores the hash of the current launch's token; returns
+    the launch, its number read once so that the token and the hosts' tag always agree.
 
     The spec is written as it was stored at submit, resolved and checked (data paths included,
     filled in from the objects the run names): nothing here parses or changes it.
@@ -40,8 +52,10 @@ def prepare(run: Run) -> tuple[Path, str]:
     tmp = folder.spec_file.with_name(folder.spec_file.name + ".tmp")
     tmp.write_text(spec_text(run))
     tmp.replace(folder.spec_file)
-    launch = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
-    return folder.path, launch_token(run.pk, launch)
+    number = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
+    token = launch_token(run.pk, number)
+    Run.objects.filter(pk=run.pk).update(token_hash=hash_token(token))
+    return Launch(folder.path, number, token)
 
 
 def launch_token(run_id: int, launch: int) -> str:
@@ -82,13 +96,11 @@ def start_on_hosts(run: Run) -> None:
     nodes) on the first host, at the endpoint chosen at placement, then one agent per node, each
     told its host's address and its devices. The host worker starts them under the agent lock,
     so a start delivered twice starts one agent."""
-    _, token = prepare(run)
-    Run.objects.filter(pk=run.pk).update(token_hash=hash_token(token))
-    launch = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
+    launch = prepare(run)
     # Each host keeps the run's folder under its own data folder (the host worker puts it where
     # HOST_FOLDER stands), and gets the spec with the start: a host needs nothing of ours.
     run_dir = RunDir(Path(HOST_FOLDER))
-    on_host = {"folder": str(run.folder.relative_to(settings.DATA_DIR)), "launch": launch}
+    on_host = {"folder": str(run.folder.relative_to(settings.DATA_DIR)), "launch": launch.number}
     claims = list(DeviceClaim.objects.filter(run=run).select_related("host").order_by("node", "device"))
     nodes: dict[int, tuple[Host, list[int]]] = {}
     for claim in claims:
@@ -106,7 +118,7 @@ def start_on_hosts(run: Run) -> None:
         send_to_host(host, "start_process", {
             "key": agent_key(run.pk, node), "module": "training.agent", "lock": str(run_dir.agent_lock(node)),
             "args": [
-                *agent_arguments(run, run_dir.path, node, run.rendezvous, token), "--local-addr", host.address,
+                *agent_arguments(run, run_dir.path, node, run.rendezvous, launch.token), "--local-addr", host.address,
                 "--logs-url", f"{settings.PUBLIC_URL}/api/runs/{run.pk}/shipped-logs/", *store_args,
             ],
             "log": str(run_dir.agent_log(node)), "devices": devices, "device_kind": host.device_kind,

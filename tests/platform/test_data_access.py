@@ -143,11 +143,11 @@ def test_a_run_stores_the_paths_of_the_objects_it_names_and_the_launcher_writes_
         "validation_fraction": 0.0,
         "pretrained": "",
     }
-    folder, _ = launcher.prepare(run)
+    folder = launcher.prepare(run).folder
     assert json.loads(RunDir(folder).spec_file.read_text()) == run.spec
 
     plain = alice_api.post("/api/runs/", {"name": "y"}, format="json").json()
-    folder, _ = launcher.prepare(Run.objects.get(pk=plain["id"]))
+    folder = launcher.prepare(Run.objects.get(pk=plain["id"])).folder
     assert json.loads(RunDir(folder).spec_file.read_text())["data"] == {
         "dataset": "", "tokenizer": "", "storage": "", "validation_dataset": "", "validation_fraction": 0.0,
         "pretrained": "",
