@@ -20,7 +20,9 @@ from typing import Any, Literal, get_args
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16"]
-FaultKind = Literal["kill_rank", "hang_rank", "kill_during_checkpoint", "slow_checkpoint", "slow_steps", "kill_agent"]
+FaultKind = Literal[
+    "kill_rank", "crash_rank", "hang_rank", "kill_during_checkpoint", "slow_checkpoint", "slow_steps", "kill_agent"
+]
 
 
 class SpecError(ValueError):

@@ -5,6 +5,7 @@ Each `FaultSpec` fires inside a rank, from the training hooks, at a chosen step:
 | kind                     | fires in                             | at                          | does                     |
 |--------------------------|--------------------------------------|-----------------------------|--------------------------|
 | `kill_rank`              | global rank `rank`                   | start of step `step`        | SIGKILL itself           |
+| `crash_rank`             | global rank `rank`                   | start of step `step`        | SIGSEGV itself: a crash in native code, whose stacks faulthandler prints to the rank's log |
 | `hang_rank`              | global rank `rank`                   | start of step `step`        | SIGSTOP itself (frozen)  |
 | `kill_during_checkpoint` | global rank `rank`                   | the commit of step `step`   | SIGKILL itself, after its shards are written and before the commit |
 | `slow_checkpoint`        | global rank `rank`                   | the commit of step `step`   | waits 5 s there: a save still being written (e.g. when a cancel arrives) |
@@ -94,6 +95,8 @@ def _fire(fault: FaultSpec) -> None:
         # (PR_SET_PDEATHSIG), which is what losing a host looks like to the other nodes.
         os.kill(os.getppid(), signal.SIGKILL)
         signal.pause()
+    elif fault.kind == "crash_rank":
+        os.kill(os.getpid(), signal.SIGSEGV)
     elif fault.kind == "hang_rank":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind == "slow_checkpoint":

@@ -215,6 +215,9 @@ def fail_for_good(error: NonRetryable) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # A crash in native code (torch, gloo, a storage client's thread) prints every thread's stack
+    # into the rank's log before the rank dies of it; the agent only sees the signal.
+    faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints a stuck rank's stacks
     try:
         # A run from a pretrained folder takes its model and tokenizer from there (idempotent).

@@ -16,21 +16,27 @@ from training.config import RunSpec
 pytestmark = pytest.mark.slow
 
 
+# SIGKILL from outside (the OOM killer, a user); SIGSEGV from inside, as a crash in native code.
+@pytest.mark.parametrize(("fault", "signal_name"), [("kill_rank", "SIGKILL"), ("crash_rank", "SIGSEGV")])
 def test_a_rank_killed_mid_step_resumes_on_the_uninterrupted_loss_curve(
-    agents: Agents, tmp_path: Path, ingest: IngestServer
+    agents: Agents, tmp_path: Path, ingest: IngestServer, fault: str, signal_name: str
 ) -> None:
     clean = agents.run(training_spec(), tmp_path / "clean")
     assert clean.process.returncode == 0, clean.tail()
 
     faulty = agents.run(
-        training_spec(faults=[{"kind": "kill_rank", "rank": 1, "step": 7}]),
+        training_spec(faults=[{"kind": fault, "rank": 1, "step": 7}]),
         tmp_path / "faulty",
         events_url=ingest.url,
         run_token=ingest.token,
     )
     assert faulty.process.returncode == 0, faulty.tail()
     failure = faulty.of_kind("rank_failed")[0]
-    assert (failure["rank"], failure["reason"], failure["signal"]) == (1, "killed by signal", "SIGKILL")
+    assert (failure["rank"], failure["reason"], failure["signal"]) == (1, "killed by signal", signal_name)
+    if fault == "crash_rank":  # the crashed rank's log says where every thread of it was
+        log = (faulty.run_dir / "logs" / "rank1.log").read_text()
+        assert "Fatal Python error: Segmentation fault" in log
+        assert "in _fire" in log and "heartbeat.py" in log, log[-3000:]  # the crashing thread and the others
     assert [r["from_step"] for r in faulty.of_kind("restarting")] == [4]
     # Rank 0's all-reduce of step 7 broke: it copied step 6, which it held whole, into memory
     # before it exited, and rank 1 (its replica) resumed from that copy. Only step 7 is trained again.
