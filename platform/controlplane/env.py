@@ -7,6 +7,7 @@ production configuration must stop the process, not silently fall back to a defa
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 from pathlib import Path
@@ -71,6 +72,19 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None:
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Comma-separated networks in CIDR notation ("10.20.0.0/16, fd00:1::/64"; a bare address is
+    a network of one). Unset or empty: none. A network with host bits set ("10.0.0.5/8") is
+    refused: it is a typo for an address or for a network, and which one matters."""
+    networks = []
+    for item in env_list(name, []):
+        try:
+            networks.append(ipaddress.ip_network(item))
+        except ValueError as exc:
+            raise ConfigurationError(f"{name} must be comma-separated networks such as 10.0.0.0/8; {exc}") from None
+    return tuple(networks)
 
 
 def env_secret(name: str, kept_in: Path, nbytes: int = 32) -> str:

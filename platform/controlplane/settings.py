@@ -20,6 +20,7 @@ from controlplane.env import (
     env_float,
     env_int,
     env_list,
+    env_networks,
     env_secret,
     env_str,
 )
@@ -225,6 +226,11 @@ CELERY_BEAT_SCHEDULE["sync-deployments"] = {
     "task": "deployments.tasks.sync_deployments",
     "schedule": DEPLOYMENT_SYNC_SECONDS,
 }
+# Internal networks webhooks may reach (controlplane/outbound.py refuses loopback, private,
+# link-local, … addresses otherwise): receivers the operators run inside their own network.
+# Unset: none, and every webhook must be a public address.
+WEBHOOK_ALLOW_NETWORKS = env_networks("FATHOM_WEBHOOK_ALLOW_NETWORKS")
+
 # --- Hosts (platform/hosts, hostworker/) --------------------------------------------------------
 
 # A host worker joins only with this token (Authorization: Bearer). Unset: no host can register,

@@ -5,7 +5,7 @@ from notifications.models import Delivery, Webhook
 
 @admin.register(Webhook)
 class WebhookAdmin(admin.ModelAdmin):
-    list_display = ["url", "owner", "created_at"]
+    list_display = ["url", "owner", "events", "created_at"]
     exclude = ["secret"]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
+from notifications.events import all_events
+
 
 class Webhook(models.Model):
     """A URL that hears about its owner's runs and deployments, signed with `secret`."""
@@ -13,6 +15,8 @@ class Webhook(models.Model):
     url = models.CharField(max_length=1000, help_text="http:// or https:// URL that receives the events.")
     # Kept in the clear: each delivery is signed with it (HMAC), so it cannot be stored hashed.
     secret = models.CharField(max_length=200, help_text="Key of the HMAC-SHA256 signature of each delivery.")
+    # A list of names from notifications.events.EVENTS, never empty (the serializer checks).
+    events = models.JSONField(default=all_events, help_text="The events it hears.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -29,7 +33,7 @@ class Delivery(models.Model):
     class Status(models.TextChoices):
         PENDING = "pending"  # queued or waiting for a retry
         DELIVERED = "delivered"  # the receiver answered 2xx
-        FAILED = "failed"  # a 4xx, or the retries ran out
+        FAILED = "failed"  # a 4xx, the retries ran out, or the address policy refused it
 
     webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
     # The event's id, the same for every webhook it goes to: a redelivered fan-out task finds the

@@ -6,13 +6,19 @@ from rest_framework import serializers
 
 from controlplane.api import ModelSerializer
 from notifications import services
+from notifications.events import EVENTS
 from notifications.models import Delivery, Webhook
 
 
 class WebhookSerializer(ModelSerializer):
     """A webhook. Its secret is write-only: it is never shown again after it is set."""
 
-    events = serializers.SerializerMethodField(help_text="The events every webhook receives.")
+    events = serializers.ListField(
+        child=serializers.ChoiceField(choices=EVENTS),
+        min_length=1,
+        required=False,
+        help_text="The events it hears (at least one); all of them when a new webhook names none.",
+    )
 
     class Meta:
         model = Webhook
@@ -20,12 +26,15 @@ class WebhookSerializer(ModelSerializer):
         read_only_fields = ["id", "created_at"]
         extra_kwargs = {"secret": {"write_only": True, "min_length": 16}}
 
-    def get_events(self, webhook: Webhook) -> list[str]:
-        return services.EVENTS
-
     def validate_url(self, url: str) -> str:
         try:
             return services.check_url(url)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+
+    def validate_events(self, events: list[str]) -> list[str]:
+        try:
+            return services.check_events(events)
         except ValueError as exc:
             raise serializers.ValidationError(str(exc)) from None
 

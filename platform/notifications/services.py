@@ -10,6 +10,11 @@ GitHub's webhooks expect:
 
 The timestamp is inside the signed content, so a receiver that refuses old timestamps cannot be
 sent a captured delivery again later.
+
+A webhook hears only the events it chose (`Webhook.events`). Its URL must pass the outbound
+address policy (controlplane.outbound) when it is saved and again, resolved, at each delivery,
+which connects to the address that was checked; a delivery the policy refuses fails at once,
+with the reason, and is never retried.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from controlplane import outbound
 from controlplane.queue import enqueue_on_commit
-from notifications.models import Delivery, Webhook
 
-# The events a webhook hears, by the status that causes them.
-RUN_EVENTS = {"succeeded": "run.succeeded", "failed": "run.failed", "restarting": "run.restarting"}
-DEPLOYMENT_EVENTS = {"ready": "deployment.ready", "failed": "deployment.failed"}
-EVENTS = [*RUN_EVENTS.values(), *DEPLOYMENT_EVENTS.values()]
+# Re-exported: runs.services and deployments.services fan out from them through this module.
+from notifications.events import DEPLOYMENT_EVENTS as DEPLOYMENT_EVENTS
+from notifications.events import EVENTS
+from notifications.events import RUN_EVENTS as RUN_EVENTS
+from notifications.models import Delivery, Webhook
 
 # Lines of the failing rank's log a run.failed event carries: the traceback and what led to it,
 # without making a payload receivers (chat hooks) would truncate.
@@ -53,34 +59,41 @@ class RetryableDelivery(Exception):
 
 
 def check_url(url: str) -> str:
-    """Refuses a URL a delivery could not be POSTed to (only http and https)."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme not in ("http", "https"):
-        raise ValueError(f"must be an http:// or https:// URL; got scheme {scheme or '(none)'!r}")
-    try:
-        host = httpx.URL(url).host
-    except httpx.InvalidURL as exc:
-        raise ValueError(f"is not a valid URL: {exc}") from None
-    if not host:
-        raise ValueError("must name a host")
-    return url
+    """Refuses a URL a delivery could not be POSTed to: not http or https, or an address the
+    outbound policy refuses (a name that does not resolve yet passes; each delivery checks it).
+    Raises outbound.Refused, whose text names the reason."""
+    return outbound.check_url(url, allowed=settings.WEBHOOK_ALLOW_NETWORKS)
+
+
+def check_events(events: list[str]) -> list[str]:
+    """A webhook's events: a non-empty list of names from EVENTS, each once, in EVENTS' order."""
+    unknown = sorted(set(events) - set(EVENTS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} not among the events: {', '.join(EVENTS)}")
+    if not events:
+        raise ValueError(f"must name at least one of the events: {', '.join(EVENTS)}")
+    return [event for event in EVENTS if event in events]
 
 
 def notify_on_commit(owner_id: int, event: str, subject: dict[str, Any]) -> None:
     """Queues `event` about `subject` ({"run": id} or {"deployment": id}) for the owner's
-    webhooks once the current transaction commits; nothing if it rolls back or there are none."""
-    # One indexed query: a user without webhooks costs no task.
-    if Webhook.objects.filter(owner_id=owner_id).exists():
+    webhooks that hear it once the current transaction commits; nothing if it rolls back or
+    none does."""
+    # One indexed query: a user without webhooks for this event costs no task.
+    if any(event in events for events in Webhook.objects.filter(owner_id=owner_id).values_list("events", flat=True)):
         enqueue_on_commit("notifications.tasks.fan_out", owner_id, event, subject, str(uuid.uuid4()))
 
 
 def do_fan_out(owner_id: int, event: str, subject: dict[str, Any], event_id: str) -> list[int]:
-    """Makes the event's deliveries (once per event, however often this is called) and queues
-    them. Returns their ids."""
+    """Makes the event's deliveries to the owner's webhooks that hear it (once per event,
+    however often this is called) and queues them. Returns their ids."""
     payload = {"id": event_id, "event": event, "created_at": timezone.now().isoformat(), **_describe(subject)}
     ids = []
     with transaction.atomic():
         for webhook in Webhook.objects.filter(owner_id=owner_id):
+            # JSON containment has no SQLite lookup; a user has a handful of webhooks.
+            if event not in webhook.events:
+                continue
             delivery, made = Delivery.objects.get_or_create(
                 webhook=webhook, event_id=event_id, defaults={"event": event, "payload": payload}
             )
@@ -144,7 +157,9 @@ def signature(secret: str, timestamp: str, body: bytes) -> str:
 
 def do_deliver(delivery_id: int, *, final: bool) -> str:
     """POSTs one delivery and records the answer. Raises RetryableDelivery on a connection error
-    or a 5xx unless this is the `final` attempt, which marks the delivery failed instead.
+    (a name that does not resolve included) or a 5xx unless this is the `final` attempt, which
+    marks the delivery failed instead. A URL the outbound policy refuses is never connected to:
+    the delivery fails at once with the reason, keeping no earlier attempt's answer.
 
     Returns what became of it: "delivered", "failed", "retry" is raised, or "gone" when the
     webhook was deleted (its deliveries went with it) or the delivery was already settled."""
@@ -164,11 +179,21 @@ def do_deliver(delivery_id: int, *, final: bool) -> str:
         SIGNATURE_HEADER: signature(webhook.secret, timestamp, body),
     }
     try:
-        response = httpx.post(webhook.url, content=body, headers=headers, timeout=DELIVERY_TIMEOUT_SECONDS)
-    except httpx.HTTPError as exc:
+        with outbound.stream(
+            "POST", webhook.url, allowed=settings.WEBHOOK_ALLOW_NETWORKS, content=body, headers=headers,
+            timeout=DELIVERY_TIMEOUT_SECONDS,
+        ) as response:  # fmt: skip
+            code = response.status_code
+            excerpt = outbound.read_capped(response, RESPONSE_EXCERPT_CHARS)
+    except outbound.Refused as exc:
+        # Final whatever the attempt: the same URL is refused the same way next time. What an
+        # earlier attempt was answered (when the name still resolved elsewhere) is not kept.
+        return _settle(
+            delivery_id, True, retry=False, last_error=f"refused: url {exc}", response_code=None, response_excerpt=""
+        )
+    except (outbound.Unresolved, httpx.HTTPError) as exc:
         return _settle(delivery_id, final, retry=True, last_error=f"{type(exc).__name__}: {exc}")
-    code = response.status_code
-    answer = {"response_code": code, "response_excerpt": response.text[:RESPONSE_EXCERPT_CHARS]}
+    answer = {"response_code": code, "response_excerpt": excerpt}
     if 200 <= code < 300:
         Delivery.objects.filter(pk=delivery_id).update(
             status=Delivery.Status.DELIVERED, finished_at=timezone.now(), last_error="", **answer

@@ -635,8 +635,9 @@ def _record(run: Run, kind: str, data: dict[str, Any], *, publish: bool = True) 
     )
     if publish:
         publish_on_commit(run_group(run.pk), [event.as_message()])
-    if kind == "status" and data["status"] in RUN_EVENTS:
-        # Every status change is recorded here: the one place the owner's webhooks hear of it.
+    if kind in ("status", "cancelled") and data["status"] in RUN_EVENTS:
+        # Every status change is recorded here (a queued run cancelled before it started as
+        # `cancelled`, the others as `status`): the one place the owner's webhooks hear of it.
         notify_on_commit(run.owner_id, RUN_EVENTS[data["status"]], {"run": run.pk})
     return event
 
