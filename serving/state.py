@@ -39,11 +39,12 @@ from typing import Any, Literal
 
 EventKind = Literal[
     "replica_starting", "replica_ready", "replica_unhealthy", "replica_died", "replica_restarting",
-    "replica_stopped",
+    "replica_failed", "replica_stopped",
 ]  # fmt: skip
 # ready: routers may send requests. unhealthy: running but failing /health, routers skip it.
-# draining: finishing outstanding requests before stop, routers skip it.
-Phase = Literal["starting", "ready", "unhealthy", "draining", "restarting", "stopped"]
+# draining: finishing outstanding requests before stop, routers skip it. failed: it died the
+# same way at every start (`replica_failed` says how) and is not started again.
+Phase = Literal["starting", "ready", "unhealthy", "draining", "restarting", "failed", "stopped"]
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -118,9 +119,18 @@ class DeploymentConfig:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 60.0
     backoff_reset_s: float = 60.0
+    # A replica that dies before it is ready this many times in a row with the same last error
+    # (the same exit and the same error line in its log: a dtype its kernels refuse, a model its
+    # engine cannot load) fails instead of restarting forever; the control plane then fails
+    # the deployment with that line. Two tells a bad configuration from one unlucky start.
+    failed_starts_to_give_up: int = 2
     # On stop: how long to wait for in-flight requests, then how long SIGTERM gets before SIGKILL.
     drain_timeout_s: float = 30.0
     stop_grace_s: float = 15.0
+    # A supervisor that serves a short-lived owner (the quality measurement's Celery task):
+    # that process's pid; the supervisor stops its replicas and exits once the owner is gone,
+    # however it ended. None: it runs until asked to stop (a deployment's).
+    owner_pid: int | None = None
     # A supervisor on a host ships its folder to the control plane (serving.shipper): the
     # endpoint, the deployment's supervisor token, and this host's name. Empty: it ships nothing
     # (on the control plane's machine the folder is already the control plane's).
@@ -133,6 +143,12 @@ class DeploymentConfig:
             raise OptionError("name", f"must be a non-empty model name without spaces; got {self.name!r}")
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= MAX_REPLICAS:
             raise OptionError("replicas", f"must be an integer from 1 to {MAX_REPLICAS}; got {self.replicas!r}")
+        if not isinstance(self.failed_starts_to_give_up, int) or self.failed_starts_to_give_up < 1:
+            raise OptionError(
+                "failed_starts_to_give_up", f"must be a positive integer; got {self.failed_starts_to_give_up!r}"
+            )
+        if self.owner_pid is not None and (not isinstance(self.owner_pid, int) or self.owner_pid <= 0):
+            raise OptionError("owner_pid", f"must be a process id or null; got {self.owner_pid!r}")
         if not isinstance(self.first_replica, int) or not 0 <= self.first_replica < MAX_REPLICAS:
             raise OptionError("first_replica", f"must be an integer from 0 to {MAX_REPLICAS - 1}; got {self.first_replica!r}")
         if isinstance(self.options, dict):
@@ -188,6 +204,59 @@ def replica_gpus(visible: str | None, local_index: int, per_replica: int) -> str
     devices = [d.strip() for d in visible.split(",") if d.strip()]
     mine = devices[local_index * per_replica : (local_index + 1) * per_replica]
     return ",".join(mine) if len(mine) == per_replica else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Life:
+    """How one start of a replica ended."""
+
+    code: int | None  # exit status (negative: a signal); None: it never started
+    message: str  # what happened, for the replica_died event
+    became_ready: bool = False  # it answered /health and generated a token
+    stayed_ready: bool = False  # it stayed ready for backoff_reset_s
+    error: str = ""  # a start that failed: the last error line of its log (engine_error)
+
+
+# vLLM's log prefix: "(EngineCore pid=16716) ERROR 12-05 07:27:12 [core.py:1512] "
+_VLLM_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(\w+ \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] )?")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception)): \S")
+# The API server's word for "the engine died", which names no cause: the cause is above it.
+_WITHOUT_CAUSE = ("EngineDeadError", "EngineGenerateError")
+
+
+def engine_error(log: str) -> str:
+    """The line of a replica's log that says why its engine failed: the last exception that
+    names a cause (`RuntimeError: Worker failed with error 'int8_scaled_mm_with_quant: expect A
+    to be bfloat16 or half.'`), else a fatal signal (`Fatal Python error: Illegal instruction`),
+    else the last ERROR line; without vLLM's process and time prefix. Empty if none."""
+    lines = [_VLLM_PREFIX.sub("", line).strip() for line in log.splitlines()]
+    for line in reversed(lines):
+        match = _EXCEPTION_LINE.match(line)
+        if match and match.group(1) not in _WITHOUT_CAUSE:
+            return line[:1000]
+    for line in reversed(lines):
+        if line.startswith("Fatal Python error: "):
+            return line[:1000]
+    for raw in reversed(log.splitlines()):
+        if " ERROR " in raw or raw.startswith("ERROR"):
+            return _VLLM_PREFIX.sub("", raw).strip()[:1000]
+    return ""
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """What was appended to a log since `offset` (its last 64 KiB: a traceback's end)."""
+    try:
+        with path.open("rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(offset, size - 65536))
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _start_failure(starts: int, life: Life) -> str:
+    said = life.error or "its log names no error"
+    return f"failed the same way at {starts} starts in a row ({life.message}): {said}"
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:
@@ -269,15 +338,22 @@ class Supervisor:
 
     async def _keep_running(self, replica: ReplicaState) -> None:
         failures_in_a_row = 0
+        failed_starts: list[tuple[int | None, str]] = []  # (exit code, error line) of each, in a row
         while not self._stopping:
-            ended = await self._one_life(replica)
-            if ended is None:  # the supervisor is stopping
+            life = await self._one_life(replica)
+            if life is None:  # the supervisor is stopping
                 return
-            code, message, stayed_ready = ended
-            if stayed_ready:
+            if life.stayed_ready:
                 failures_in_a_row = 0
-            replica.last_exit_code = code
-            self._emit("replica_died", replica, exit_code=code, message=message)
+            replica.last_exit_code = life.code
+            self._emit("replica_died", replica, exit_code=life.code, message=life.message)
+            failed_starts = [*failed_starts, (life.code, life.error)] if not life.became_ready else []
+            last = failed_starts[-self.config.failed_starts_to_give_up :]
+            if len(last) == self.config.failed_starts_to_give_up and len(set(last)) == 1:
+                # The same death at every start: a restart would only repeat it.
+                self._set_phase(replica, "failed")
+                self._emit("replica_failed", replica, exit_code=life.code, message=_start_failure(len(last), life))
+                return
             delay = min(self.config.restart_backoff_s * 2**failures_in_a_row, self.config.restart_backoff_max_s)
             failures_in_a_row += 1
             replica.restarts += 1
@@ -285,26 +361,35 @@ class Supervisor:
             self._emit("replica_restarting", replica, delay_s=delay)
             await asyncio.sleep(delay)
 
-    async def _one_life(self, replica: ReplicaState) -> tuple[int | None, str, bool] | None:
-        """Starts the replica and watches it until it dies. Returns its exit code (None: it never
-        started), what happened, and whether it had stayed ready for backoff_reset_s; or None
-        when the supervisor stops meanwhile."""
+    async def _one_life(self, replica: ReplicaState) -> Life | None:
+        """Starts the replica and watches it until it dies; returns how it ended, or None when
+        the supervisor stops meanwhile."""
         try:
             port = self._replica_port(replica)
         except OSError as exc:
-            return None, f"not started: {exc}", False
+            return Life(code=None, message=f"not started: {exc}", error=str(exc))
         proc: asyncio.subprocess.Process | None = None
+        log_path = self._folder.replica_log(replica.index)
+        log_start = log_path.stat().st_size if log_path.exists() else 0
         try:
             proc, launch = await self._spawn(replica, port)
             if self._stopping:  # stop() ran while the process was being created
                 await self._terminate(proc, grace_s=self.config.stop_grace_s)
                 return None
-            message, stayed_ready = "", False
+            message, became_ready, stayed_ready = "", False, False
             if await self._wait_healthy(replica, proc, launch):
-                self._set_phase(replica, "ready", ready_at=time.time())
-                self._emit("replica_ready", replica)
-                message = await self._watch(replica, proc, launch)
-                stayed_ready = bool(replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s)
+                # Ready once it has generated: an engine that dies on its first request (a
+                # kernel that refuses the dtype, an instruction the CPU may not run) dies here,
+                # before any router sends it a user's request.
+                if await self._generates(launch.url):
+                    became_ready = True
+                    self._set_phase(replica, "ready", ready_at=time.time())
+                    self._emit("replica_ready", replica)
+                    message = await self._watch(replica, proc, launch)
+                    stayed_ready = bool(replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s)
+                elif proc.returncode is None and not self._stopping:
+                    message = f"answered /health but generated no token within {self.config.liveness_timeout_s:g} s; killed. "
+                    await self._terminate(proc, grace_s=0)
             elif proc.returncode is None and not self._stopping:
                 message = f"not healthy after {self.config.ready_timeout_s} s; killed. "
                 await self._terminate(proc, grace_s=0)
@@ -313,7 +398,10 @@ class Supervisor:
             _kill_group(proc.pid, signal.SIGKILL)  # orphans of a replica killed from outside
             if self._stopping:
                 return None
-            return code, f"{message}exit code {code}", stayed_ready
+            return Life(
+                code=code, message=f"{message}exit code {code}", became_ready=became_ready,
+                stayed_ready=stayed_ready, error="" if became_ready else engine_error(_read_from(log_path, log_start)),
+            )  # fmt: skip
         finally:
             # Cancelled or failed mid-way: never leave a replica running without a supervisor.
             if proc is not None and proc.returncode is None:
@@ -564,8 +652,30 @@ async def _serve(config: DeploymentConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await supervisor.start()
-    await stop.wait()
+    if config.owner_pid is not None:
+        await _until_stopped_or_orphaned(stop, config.owner_pid, config.health_interval_s)
+    else:
+        await stop.wait()
     await supervisor.stop()
+
+
+async def _until_stopped_or_orphaned(stop: asyncio.Event, owner_pid: int, interval_s: float) -> None:
+    """Return when asked to stop or once the owner process is gone (killed, timed out, crashed:
+    then nobody would ever ask)."""
+    while _process_exists(owner_pid):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+            return
+    print(f"fathom: deployment owner {owner_pid} is gone; stopping its replicas", flush=True)
+
+
+def _process_exists(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, its parent not yet told) counts as gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] != "Z"
 
 
 def export_cache_root(config: DeploymentConfig) -> Path:

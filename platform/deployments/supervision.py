@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from deployments import services, shipped
 from deployments.models import Deployment, Replica
-from deployments.options import host_refusal, stored_options
+from deployments.options import device, host_refusal, stored_options
 from hosts import capacity, scheduling
 from hosts.models import Host
 from runs import exports
@@ -30,6 +30,7 @@ from runs.launcher import HOST_FOLDER, send_to_host
 from serving import metrics as replica_metrics
 from serving.state import DeploymentDir, read_events, read_state, supervisor_dirs
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
+from serving.vllm import replica_dtype
 
 # Replica metrics are scraped with this budget each sync; a replica slower than that is skipped
 # this round rather than holding up every other deployment's sync.
@@ -39,9 +40,13 @@ SCRAPE_TIMEOUT_SECONDS = 1.5
 def config_for(deployment: Deployment, export_path: str, group: scheduling.ReplicaGroup | None = None) -> DeploymentConfig:
     """The supervisor's config: on this machine (all replicas), or for the replicas `group` puts
     on one host (at its address), with the options the deployment stored resolved at create."""
-    options = stored_options(deployment.options)
-    folder = DeploymentDir(deployment.folder)
     host = group.host if group is not None else None
+    stored = stored_options(deployment.options)
+    # "auto" becomes the dtype the quantization's kernels take on the replicas' CPU.
+    options = dataclasses.replace(
+        stored, dtype=replica_dtype(stored, host.serving_device() if host is not None else device())
+    )
+    folder = DeploymentDir(deployment.folder)
     cores = os.cpu_count() or 1
     return DeploymentConfig(
         name=deployment.served_model_name,
@@ -122,15 +127,9 @@ def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
 
 
 def stop(deployment: Deployment, timeout: float = 120.0) -> None:
-    """Asks the supervisors to drain and stop their replicas, and waits for them to exit."""
-    hosts = placed_hosts(deployment)
-    if hosts:
-        # Their pids are other machines': each host worker signals its own (a lost host runs
-        # nothing). Sent even before any state came: a supervisor may still be fetching the export.
-        for host in hosts:
-            if host.status != Host.Status.LOST:
-                send_to_host(host, "stop_process", {"key": supervisor_key(deployment)})
-    elif not request_stop(deployment.folder):
+    """Asks the supervisors to drain and stop their replicas, and waits up to `timeout` for
+    them to exit (0: asks and returns)."""
+    if not _ask_to_stop(deployment, placed_hosts(deployment)):
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -138,6 +137,19 @@ def stop(deployment: Deployment, timeout: float = 120.0) -> None:
         if state is None or all(r.phase == "stopped" for r in state.replicas):
             return
         time.sleep(0.5)
+
+
+def _ask_to_stop(deployment: Deployment, hosts: list[Host]) -> bool:
+    """Sends the stop to the supervisors on `hosts`, or to the one on this machine; False when
+    none runs here."""
+    if not hosts:
+        return request_stop(deployment.folder)
+    # Their pids are other machines': each host worker signals its own (a lost host runs
+    # nothing). Sent even before any state came: a supervisor may still be fetching the export.
+    for host in hosts:
+        if host.status != Host.Status.LOST:
+            send_to_host(host, "stop_process", {"key": supervisor_key(deployment)})
+    return True
 
 
 def sync(deployment: Deployment) -> None:
@@ -175,8 +187,25 @@ def sync(deployment: Deployment) -> None:
                     deployment, new_status, only_from=[s for s in serving if s != new_status],
                     data={"status": new_status, "ready": len(ready), "replicas": len(state.replicas)},
                 )  # fmt: skip
+    for event in events:
+        if event.kind == "replica_failed":
+            fail_on_replica(deployment, event.replica, event.message)
+            return
     if ready:
         services.do_record(deployment, "metrics", scrape(deployment.folder, [r.url for r in ready if r.url]))
+
+
+def fail_on_replica(deployment: Deployment, index: int, why: str) -> None:
+    """A replica gave up starting (it died the same way at every start): its deployment fails
+    with the replica's error line, and what still runs of it is stopped, for its devices go back
+    to the cluster with the failure."""
+    reason = f"replica {index} could not start: {why}"
+    serving = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
+    hosts = placed_hosts(deployment)  # read before the failure gives their devices back
+    if services.do_set_status(
+        deployment, Deployment.Status.FAILED, only_from=serving, reason=reason, event="failed", data={"reason": reason}
+    ):
+        _ask_to_stop(deployment, hosts)
 
 
 def replica_status(phase: str, last_exit_code: int | None) -> str:
@@ -184,7 +213,7 @@ def replica_status(phase: str, last_exit_code: int | None) -> str:
         return Replica.Status.READY
     if phase == "stopped":
         return Replica.Status.STOPPED
-    if phase == "restarting" and last_exit_code is not None:
+    if phase == "failed" or (phase == "restarting" and last_exit_code is not None):
         return Replica.Status.DEAD
     return Replica.Status.STARTING
 

@@ -147,6 +147,40 @@ def test_once_hosts_have_joined_an_int4_deploy_is_checked_against_their_cpus_not
     assert created.json()["quantization"] == "int4"
 
 
+AMX = [*AVX512, "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
+
+
+def test_an_int8_deploy_in_float32_is_refused_where_every_ready_host_has_amx_and_taken_where_one_has_not(
+    alice_api, checkpoint, monkeypatch
+):
+    # vLLM's AMX int8 kernel takes bfloat16/float16 activations only; oneDNN's, without AMX,
+    # serves float32. This machine's CPU is left out: the hosts decide.
+    monkeypatch.setattr("deployments.options.device", lambda: DeviceInfo(kind="cpu", cpu_flags=frozenset(AVX2)))
+    Host.objects.create(name="new", address="10.9.0.51", devices=[{"index": 0, "kind": "cpu"}], cpu_flags=AMX)
+    float32_int8 = {"checkpoint": checkpoint.pk, "quantization": "int8", "options": {"dtype": "float32"}}
+    refused = alice_api.post("/api/deployments/", float32_int8, format="json")
+    assert refused.status_code == 400
+    assert list(refused.json()) == ["options"] and list(refused.json()["options"]) == ["dtype"]
+    assert refused.json()["options"]["dtype"] == [
+        "no ready host can run it: host new: 'int8_w8a8' on a cpu with AMX runs vLLM's AMX int8 kernel, which "
+        "takes bfloat16 or float16 activations only (in float32 the replica's engine fails on its first request); "
+        "set dtype to 'auto' or 'bfloat16'"
+    ]
+    assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
+    # The same int8 deploy with dtype left to Fathom is taken: each host's replicas get the dtype
+    # its CPU's kernel takes (serving.vllm.replica_dtype, unit-tested in test_replica_options).
+    auto = alice_api.post(
+        "/api/deployments/", {"checkpoint": checkpoint.pk, "quantization": "int8", "served_model_name": "auto"}, format="json"
+    )
+    assert auto.status_code == 201, auto.content
+    assert auto.json()["options"]["dtype"] == "auto"
+    # Once a host without AMX is ready too, float32 is taken (placement gives it only that host).
+    Host.objects.create(name="older", address="10.9.0.52", devices=[{"index": 0, "kind": "cpu"}], cpu_flags=AVX512)
+    taken = alice_api.post("/api/deployments/", {**float32_int8, "served_model_name": "f32"}, format="json")
+    assert taken.status_code == 201, taken.content
+    assert taken.json()["options"]["dtype"] == "float32"
+
+
 def test_an_int8_deploy_of_a_fresh_export_queues_its_quantization_and_waits_for_it(alice_api, checkpoint):
     created = alice_api.post("/api/deployments/", {"checkpoint": checkpoint.pk, "quantization": "int8"}, format="json")
     assert created.status_code == 201, created.content

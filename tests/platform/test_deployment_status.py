@@ -101,3 +101,44 @@ def test_stopping_a_stopped_deployment_is_refused_and_records_nothing(alice, ali
     assert response.status_code == 409
     assert response.json() == {"status": ["only active deployments can be stopped; this one is stopped"]}
     assert kinds(deployment) == []
+
+
+def test_a_replica_that_gave_up_starting_fails_its_deployment_with_its_error_line_and_stops_it(
+    alice, alice_api, settings, tmp_path
+):
+    # What a supervisor writes when a replica died the same way at two starts (the supervisor's
+    # side, with a real vLLM, is tests/serving/test_quantized_export.py); a process stands in
+    # for the supervisor, to be told to stop.
+    settings.DEPLOYMENTS_DIR = tmp_path
+    supervisor = subprocess.Popen(["sleep", "60"])
+    try:
+        deployment = make_deployment(alice, Deployment.Status.STARTING, supervisor_pid=supervisor.pid)
+        Replica.objects.create(deployment=deployment, index=0)
+        folder = DeploymentDir(deployment.folder)
+        folder.path.mkdir(parents=True)
+        why = (
+            "failed the same way at 2 starts in a row (answered /health but generated no token within 60 s; "
+            "killed. exit code -9): RuntimeError: Worker failed with error 'int8_scaled_mm_with_quant: expect A to "
+            "be bfloat16 or half.'"
+        )
+        state = DeploymentState(
+            deployment=deployment.served_model_name, supervisor_pid=supervisor.pid, updated_at=0.0, stopping=False,
+            replicas=[ReplicaState(index=0, phase="failed", restarts=1, last_exit_code=-9)],
+        )  # fmt: skip
+        folder.state_file.write_text(json.dumps(dataclasses.asdict(state)))
+        for kind in ("replica_starting", "replica_died", "replica_restarting", "replica_starting", "replica_died"):
+            append_event(folder, ReplicaEvent(kind=kind, deployment="d", replica=0, at=0.0))  # type: ignore[arg-type]
+        append_event(folder, ReplicaEvent(kind="replica_failed", deployment="d", replica=0, at=1.0, exit_code=-9, message=why))
+
+        supervision.sync(deployment)
+
+        shown = alice_api.get(f"/api/deployments/{deployment.pk}/").json()
+        assert (shown["status"], shown["status_reason"]) == ("failed", f"replica 0 could not start: {why}")
+        assert kinds(deployment)[-2:] == ["replica_failed", "failed"]
+        assert Replica.objects.get(deployment=deployment).status == "dead"
+        assert supervisor.wait(timeout=10) == -15  # told to stop what still runs (SIGTERM)
+        supervision.sync(deployment)  # a later sync changes nothing
+        assert kinds(deployment).count("failed") == 1
+    finally:
+        supervisor.kill()
+        supervisor.wait()

@@ -19,7 +19,7 @@ from hostworker.devices import cpu_flags
 from serving.quality import Choices, next_token_choices, top1_agreement
 from serving.quantize import SUMMARY_FILE, folder_size
 from serving.tiny_checkpoint import TinyLlamaSpec, generated_text
-from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible
+from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, replica_dtype
 from tests.serving.conftest import REPO, start_deployment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -61,9 +61,12 @@ def _quantize(python: str, export: Path, out: Path, scheme: str, calibration: Pa
 
 async def _served_choices(tmp: Path, checkpoint: Path, vllm_python: str, name: str, quantization: str) -> list[Choices]:
     """Serve `checkpoint` on one replica behind the router and read its choices over PROMPTS."""
-    # int4's CPU kernel computes in bfloat16 only (serving.vllm refuses float32 for it), so its
-    # figure is what an int4 deployment gives: 4-bit weights and bfloat16 arithmetic.
-    dtype = "bfloat16" if quantization == "int4" else OPTIONS.dtype
+    # A quantized export in the dtype its deployment gets here (serving.vllm.replica_dtype): int4's
+    # CPU kernel computes in bfloat16 only, int8's AMX kernel takes bfloat16 activations, and
+    # oneDNN's int8 (no AMX) float32. So each figure is what a deployment of it gives.
+    dtype = OPTIONS.dtype
+    if quantization != "none":
+        dtype = replica_dtype(ReplicaOptions(quantization=quantization), HOST)  # type: ignore[arg-type]
     options = ReplicaOptions(**{**OPTIONS.to_dict(), "quantization": quantization, "dtype": dtype})
     check_compatible(options, CheckpointInfo.read(checkpoint), HOST)
     with contextlib.contextmanager(start_deployment)(

@@ -8,13 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from serving.supervisor import DeploymentConfig, replica_gpus
+from serving.supervisor import DeploymentConfig, engine_error, replica_gpus
 from serving.vllm import (
+    REPLICA_SITE,
     CheckpointInfo,
     DeviceInfo,
     OptionError,
     ReplicaOptions,
     check_compatible,
+    check_device,
+    replica_dtype,
     replica_launch,
     replica_tmpdir,
 )
@@ -149,6 +152,76 @@ def test_int8_w8a8_is_served_on_cpu_from_a_compressed_tensors_checkpoint(tmp_pat
     check_compatible(ReplicaOptions(quantization="int8_w8a8"), write_checkpoint(tmp_path, quant=W8A8), CPU)
 
 
+# The flag sets of the CPUs seen here (docs/serving.md): Sapphire Rapids or newer (AMX), an
+# AVX-512 CPU without AMX, an AVX2-only one; and one that reported no x86 flags (ARM, or unknown).
+SAPPHIRE_RAPIDS = DeviceInfo(
+    kind="cpu", cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"})
+)
+AVX512_ONLY = DeviceInfo(kind="cpu", cpu_flags=frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}))
+AVX2_ONLY = DeviceInfo(kind="cpu", cpu_flags=frozenset({"avx", "avx2", "fma"}))
+UNKNOWN_CPU = DeviceInfo(kind="cpu")
+
+
+@pytest.mark.parametrize(
+    ("quantization", "device", "dtype"),
+    [
+        # int8 W8A8: AMX's kernel takes 16-bit activations; oneDNN's (no AMX) was seen in float32.
+        ("int8_w8a8", SAPPHIRE_RAPIDS, "bfloat16"),
+        ("int8_w8a8", AVX512_ONLY, "float32"),
+        ("int8_w8a8", AVX2_ONLY, "float32"),
+        ("int8_w8a8", UNKNOWN_CPU, "auto"),  # vLLM picks where the flags are unknown
+        # int4's CPUWNA16 computes in bfloat16 only, whatever the CPU.
+        ("int4", SAPPHIRE_RAPIDS, "bfloat16"),
+        ("int4", AVX512_ONLY, "bfloat16"),
+        # The float model and fp8 keep vLLM's "auto" (bfloat16 from a float32 checkpoint).
+        ("none", SAPPHIRE_RAPIDS, "auto"),
+        ("none", AVX2_ONLY, "auto"),
+        ("fp8", SAPPHIRE_RAPIDS, "auto"),
+    ],
+)
+def test_auto_dtype_is_what_the_quantizations_kernel_takes_on_the_cpu(quantization, device, dtype) -> None:  # type: ignore[no-untyped-def]
+    assert replica_dtype(ReplicaOptions(quantization=quantization), device) == dtype
+
+
+def test_an_explicit_dtype_is_kept_and_checked_against_the_cpus_kernels() -> None:
+    int8_float32 = ReplicaOptions(quantization="int8_w8a8", dtype="float32")
+    assert replica_dtype(int8_float32, AVX512_ONLY) == "float32"
+    check_device(int8_float32, AVX512_ONLY)
+    check_device(int8_float32, AVX2_ONLY)
+    error = error_of(check_device, int8_float32, SAPPHIRE_RAPIDS)
+    assert error.field == "dtype" and "AMX int8 kernel" in error.message and "'auto' or 'bfloat16'" in error.message
+    for dtype in ("bfloat16", "float16", "auto"):
+        check_device(ReplicaOptions(quantization="int8_w8a8", dtype=dtype), SAPPHIRE_RAPIDS)
+    assert error_of(check_device, ReplicaOptions(quantization="int4", dtype="float32"), SAPPHIRE_RAPIDS).field == "dtype"
+    # On GPUs the dtype is vLLM's to take as given.
+    gpu = ReplicaOptions(device="cuda", quantization="int8_w8a8", dtype="float32")
+    assert replica_dtype(gpu, AMPERE) == "float32"
+    check_device(gpu, AMPERE)
+
+
+def test_the_engine_error_line_is_the_cause_not_the_api_servers_engine_died() -> None:
+    int8_in_float32 = """\
+(EngineCore pid=16716) ERROR 12-05 07:27:12 [core.py:1512]     raise RuntimeError(
+(EngineCore pid=16716) ERROR 12-05 07:27:12 [core.py:1512] RuntimeError: Worker failed with error 'int8_scaled_mm_with_quant: expect A to be bfloat16 or half.', please check the stack trace above for the root cause
+(APIServer pid=16617) ERROR 12-05 07:27:12 [async_llm.py:906] AsyncLLM output_handler failed.
+(APIServer pid=16617) ERROR 12-05 07:27:12 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.
+INFO:     127.0.0.1:35976 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error
+"""
+    assert engine_error(int8_in_float32) == (
+        "RuntimeError: Worker failed with error 'int8_scaled_mm_with_quant: expect A to be bfloat16 or half.', "
+        "please check the stack trace above for the root cause"
+    )
+    sigill = """\
+Fatal Python error: Illegal instruction
+
+Thread 0x00007f (most recent call first):
+(EngineCore pid=14162) ERROR 12-05 07:22:57 [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor.
+"""
+    assert engine_error(sigill) == "Fatal Python error: Illegal instruction"
+    assert engine_error("(APIServer pid=1) ERROR 12-05 07:22:57 [x.py:1] port taken\n") == "port taken"
+    assert engine_error("INFO: all good\n") == ""
+
+
 def test_quantized_widths_other_than_fp8_must_come_from_the_checkpoint(tmp_path: Path) -> None:
     error = error_of(check_compatible, ReplicaOptions(quantization="int4"), write_checkpoint(tmp_path), CPU)
     assert error.field == "quantization"
@@ -233,6 +306,8 @@ def test_the_cpu_launch_sets_kv_cache_cores_and_keeps_files_in_the_state_dir(tmp
     assert {"--enforce-eager", "--no-enable-prefix-caching"} <= set(argv)
     assert argv[argv.index("--block-size") + 1] == "64"
     assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    # Its processes ask Linux for AMX tile use at start (vLLM's AMX attention does not).
+    assert launch.env["PYTHONPATH"] == str(REPLICA_SITE) and (REPLICA_SITE / "sitecustomize.py").is_file()
     assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert launch.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and launch.env["TMPDIR"] == str(
         replica_tmpdir(tmp_path)
