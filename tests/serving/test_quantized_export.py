@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -20,7 +23,9 @@ from serving.quality import Choices, next_token_choices, top1_agreement
 from serving.quantize import SUMMARY_FILE, folder_size
 from serving.tiny_checkpoint import TinyLlamaSpec, generated_text
 from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, replica_dtype
-from tests.serving.conftest import REPO, start_deployment
+from serving.state import read_events, read_state
+from serving.supervisor import DeploymentConfig, launch_detached
+from tests.serving.conftest import REPO, process_alive, start_deployment, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -106,6 +111,8 @@ async def test_int8_and_int4_exports_made_by_llmcompressor_serve_on_cpu_close_to
                 await _served_choices(tmp_path, out, vllm_python, f"tiny-{scheme}", served_as)
             continue
         choices = await _served_choices(tmp_path, out, vllm_python, f"tiny-{scheme}", served_as)
+        if scheme == "int4":
+            _forced_to_float32_it_fails_after_two_starts_with_the_kernels_error(tmp_path, out, vllm_python)
         agreement = top1_agreement(reference, choices)
         print(
             f"{scheme}: size {summary['bytes']} / {summary['source_bytes']} bytes = {summary['size_ratio']}; "
@@ -114,3 +121,38 @@ async def test_int8_and_int4_exports_made_by_llmcompressor_serve_on_cpu_close_to
         assert agreement.top1 >= MIN_TOP1[scheme], agreement.parted
         for ref, chosen in agreement.parted:
             assert len(ref) == 2 and ref[1][0] == chosen and ref[0][1] - ref[1][1] < TIE_NATS, (ref, chosen)
+
+
+def _forced_to_float32_it_fails_after_two_starts_with_the_kernels_error(tmp: Path, export: Path, vllm_python: str) -> None:
+    """int4 in float32, which Fathom refuses at create and vLLM's CPUWNA16 kernel cannot run (the
+    engine dies on the first request), forced on a supervisor: the replica is
+    never called ready, and after the second death the same way it fails with the engine's
+    error line instead of restarting forever."""
+    config = DeploymentConfig(
+        name="forced", checkpoint=str(export), state_dir=str(tmp / "forced"), python=vllm_python, replicas=1,
+        options=ReplicaOptions(**{**OPTIONS.to_dict(), "quantization": "int4", "dtype": "float32"}),
+        ready_timeout_s=300, health_interval_s=1.0, restart_backoff_s=0.5,
+    )  # fmt: skip
+    pid = launch_detached(config, python=sys.executable)
+    try:
+
+        def failed() -> list:  # type: ignore[type-arg]
+            assert process_alive(pid), f"supervisor exited; see {config.state_dir}/supervisor.log"
+            return [e for e in read_events(config.state_dir)[0] if e.kind == "replica_failed"]
+
+        (gave_up,) = wait_until(failed, 400, "the replica to give up")
+        kinds = [e.kind for e in read_events(config.state_dir)[0]]
+        assert kinds == [
+            "replica_starting", "replica_died", "replica_restarting", "replica_starting", "replica_died", "replica_failed",
+        ], kinds  # fmt: skip
+        assert gave_up.message.startswith("failed the same way at 2 starts in a row"), gave_up.message
+        assert gave_up.message.endswith(
+            "RuntimeError: Worker failed with error '\"cpu_gemm_wna16\" not implemented for 'Float'', please check "
+            "the stack trace above for the root cause"
+        ), gave_up.message
+        (replica,) = read_state(config.state_dir).replicas  # type: ignore[union-attr]
+        assert (replica.phase, replica.restarts) == ("failed", 1)
+        assert replica.pid is not None and not process_alive(replica.pid)  # nothing of it runs
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
