@@ -73,6 +73,11 @@ def test_a_checkpoint_deployed_from_the_run_page_streams_its_answer_in_the_playg
         assert answer.inner_text().strip()
         assert int(answer.get_attribute("data-pieces") or 0) > 1  # it arrived as a stream of pieces
         expect(page.locator("#chat-stats")).to_contain_text("finished")
+        # The page's default dtype on a CPU with AMX is bfloat16, whose attention runs AMX tiles:
+        # the replica answered its first requests (the supervisor's warm-up token, then this
+        # chat) without dying (its worker once died of SIGILL on the first one).
+        expect(page.locator('#timeline li[data-kind="replica_died"]')).to_have_count(0)
+        assert off_loop(lambda: Deployment.objects.get(pk=deployment_id).replica_set.get().restarts) == 0
         # Serving metrics keep arriving live (one sample per sync, every second in tests).
         tokens_per_s = page.locator("#chart-dtps")
         held = int(tokens_per_s.get_attribute("data-points") or 0)

@@ -21,10 +21,10 @@ import pytest
 from hostworker.devices import cpu_flags
 from serving.quality import Choices, next_token_choices, top1_agreement
 from serving.quantize import SUMMARY_FILE, folder_size
-from serving.tiny_checkpoint import TinyLlamaSpec, generated_text
-from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, replica_dtype
 from serving.state import read_events, read_state
 from serving.supervisor import DeploymentConfig, launch_detached
+from serving.tiny_checkpoint import TinyLlamaSpec, generated_text
+from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, replica_dtype
 from tests.serving.conftest import REPO, process_alive, start_deployment, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -83,7 +83,10 @@ async def _served_choices(tmp: Path, checkpoint: Path, vllm_python: str, name: s
             await client.close()
             assert answer.choices[0].text.strip(), answer
         async with httpx.AsyncClient(timeout=120) as http:
-            return await next_token_choices(http, deployment.router_url, name, PROMPTS)
+            choices = await next_token_choices(http, deployment.router_url, name, PROMPTS)
+    # A new replica answered every request without dying (bfloat16 runs AMX kernels on AMX CPUs).
+    assert [e.kind for e in read_events(tmp / name)[0] if e.kind == "replica_died"] == []
+    return choices
 
 
 async def test_int8_and_int4_exports_made_by_llmcompressor_serve_on_cpu_close_to_the_float_model(
