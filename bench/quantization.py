@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,11 +38,12 @@ from typing import Any
 import httpx
 
 from bench.waiting import wait
+from hostworker.devices import cpu_flags
 from serving.quality import Scores, held_out_prompts, score_prompts, top1_agreement
 from serving.quantize import folder_size
-from serving.state import read_state
+from serving.state import read_events, read_state
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
-from serving.vllm import ReplicaOptions
+from serving.vllm import DeviceInfo, ReplicaOptions, replica_dtype
 from tools.check_parity import launch
 from training.config import small
 from training.demo import corpus
@@ -136,14 +138,17 @@ async def _throughput(url: str, concurrency: int, tokens: int) -> float:
 def serve_and_measure(
     export: Path, quantization: str, work: Path, prompts: list[str], concurrency: int, tokens: int
 ) -> dict[str, Any]:
-    dtype = "bfloat16" if quantization == "int4" else "float32"
+    # The float export as trained (float32); a quantized one in the dtype its deployment gets on
+    # this CPU (serving.vllm.replica_dtype: bfloat16 for int4, and for int8 with AMX).
     options = ReplicaOptions(
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=concurrency, dtype=dtype, quantization=quantization,  # type: ignore[arg-type]
-        kv_cache_gib=1,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=concurrency, quantization=quantization,  # type: ignore[arg-type]
+        kv_cache_gib=1, dtype="float32" if quantization == "none" else "auto",
     )  # fmt: skip
+    options = dataclasses.replace(options, dtype=replica_dtype(options, DeviceInfo(kind="cpu", cpu_flags=frozenset(cpu_flags()))))
     state_dir = work / f"serve-{quantization}"
+    # owner_pid: a bench killed by a timeout takes its replica with it.
     config = DeploymentConfig(name="measured", checkpoint=str(export), state_dir=str(state_dir), python=VLLM_PYTHON,
-                              replicas=1, options=options, ready_timeout_s=900)  # fmt: skip
+                              replicas=1, options=options, ready_timeout_s=900, owner_pid=os.getpid())  # fmt: skip
     supervisor = launch_detached(config)
     try:
         replica = wait(lambda: _ready_replica(state_dir), 900, f"a ready {quantization} replica")
@@ -165,6 +170,9 @@ def serve_and_measure(
 
 def _ready_replica(state_dir: Path) -> Any:
     state = read_state(state_dir)
+    failed = [e.message for e in read_events(state_dir)[0] if e.kind == "replica_failed"]
+    if failed:
+        raise RuntimeError(f"the replica in {state_dir} could not start: {failed[-1]}")
     return next((r for r in state.replicas if r.phase == "ready" and r.url), None) if state else None
 
 
