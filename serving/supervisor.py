@@ -212,6 +212,7 @@ class Life:
 
     code: int | None  # exit status (negative: a signal); None: it never started
     message: str  # what happened, for the replica_died event
+    killed_because: str = ""  # the supervisor killed it: why (then its exit status says nothing)
     became_ready: bool = False  # it answered /health and generated a token
     stayed_ready: bool = False  # it stayed ready for backoff_reset_s
     error: str = ""  # a start that failed: the last error line of its log (engine_error)
@@ -338,7 +339,8 @@ class Supervisor:
 
     async def _keep_running(self, replica: ReplicaState) -> None:
         failures_in_a_row = 0
-        failed_starts: list[tuple[int | None, str]] = []  # (exit code, error line) of each, in a row
+        # How each start in a row ended: (why it was killed, else its exit status; its error line).
+        failed_starts: list[tuple[str | int, str]] = []
         while not self._stopping:
             life = await self._one_life(replica)
             if life is None:  # the supervisor is stopping
@@ -347,7 +349,10 @@ class Supervisor:
                 failures_in_a_row = 0
             replica.last_exit_code = life.code
             self._emit("replica_died", replica, exit_code=life.code, message=life.message)
-            failed_starts = [*failed_starts, (life.code, life.error)] if not life.became_ready else []
+            if life.became_ready:
+                failed_starts = []
+            elif life.code is not None:  # a start that found no free port is no start of vLLM
+                failed_starts = [*failed_starts, (life.killed_because or life.code, life.error)]
             last = failed_starts[-self.config.failed_starts_to_give_up :]
             if len(last) == self.config.failed_starts_to_give_up and len(set(last)) == 1:
                 # The same death at every start: a restart would only repeat it.
@@ -399,7 +404,7 @@ class Supervisor:
             if self._stopping:
                 return None
             return Life(
-                code=code, message=f"{message}exit code {code}", became_ready=became_ready,
+                code=code, message=f"{message}exit code {code}", killed_because=message, became_ready=became_ready,
                 stayed_ready=stayed_ready, error="" if became_ready else engine_error(_read_from(log_path, log_start)),
             )  # fmt: skip
         finally:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 from serving.state import ReplicaEvent, read_events, read_state
-from serving.supervisor import DeploymentConfig, Supervisor
+from serving.supervisor import DeploymentConfig, Supervisor, launch_detached
 from tests.ports import free_port
 from tests.serving.conftest import process_alive
 
@@ -50,7 +52,9 @@ async def wait_for(condition, timeout_s: float = 20.0) -> None:  # type: ignore[
 
 async def test_a_replica_that_keeps_dying_is_restarted_with_doubling_capped_delays(tmp_path: Path) -> None:
     events: list[ReplicaEvent] = []
-    supervisor = Supervisor(config(tmp_path, stand_in(tmp_path, "exit 3")), on_event=events.append)
+    # Each death its own (a different line each time): no sign that a restart cannot help.
+    dies = stand_in(tmp_path, 'echo "RuntimeError: lost at $(date +%s%N)"; exit 3')
+    supervisor = Supervisor(config(tmp_path, dies), on_event=events.append)
     await supervisor.start()
     await wait_for(lambda: sum(e.kind == "replica_restarting" for e in events) >= 5)
     await supervisor.stop()
@@ -64,6 +68,61 @@ async def test_a_replica_that_keeps_dying_is_restarted_with_doubling_capped_dela
     assert events[-1].kind == "replica_stopped"
     # The callback and events.jsonl tell the same story.
     assert [e.kind for e in read_events(tmp_path / "state")[0]] == [e.kind for e in events]
+
+
+async def test_a_replica_that_dies_the_same_way_at_two_starts_fails_with_its_logs_error_line(tmp_path: Path) -> None:
+    events: list[ReplicaEvent] = []
+    dies = stand_in(tmp_path, 'echo "starting"; echo "RuntimeError: no kernel takes this dtype"; echo "shutting down"; exit 3')
+    supervisor = Supervisor(config(tmp_path, dies), on_event=events.append)
+    await supervisor.start()
+    await wait_for(lambda: any(e.kind == "replica_failed" for e in events))
+    await asyncio.sleep(0.5)  # no third start comes
+    kinds = [e.kind for e in events]
+    assert kinds == [
+        "replica_starting", "replica_died", "replica_restarting", "replica_starting", "replica_died", "replica_failed",
+    ]  # fmt: skip
+    assert events[-1].message == (
+        "failed the same way at 2 starts in a row (exit code 3): RuntimeError: no kernel takes this dtype"
+    )
+    assert events[-1].exit_code == 3
+    assert supervisor.replicas[0].phase == "failed" and read_state(tmp_path / "state").replicas[0].phase == "failed"  # type: ignore[union-attr]
+    await supervisor.stop()
+    assert [e.kind for e in events][-1] == "replica_stopped"
+
+
+async def test_a_replica_whose_first_generation_fails_is_never_ready_and_gives_up(tmp_path: Path) -> None:
+    # /health answers, the first completion is a 500: an engine that dies on its first request.
+    python = tmp_path / "python"
+    python.write_text(SERVER.format(first_post="self.send_response(500); self.end_headers()", later_posts="pass"))
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    events: list[ReplicaEvent] = []
+    supervisor = Supervisor(config(tmp_path, str(python), ready_timeout_s=30), on_event=events.append)
+    await supervisor.start()
+    await wait_for(lambda: any(e.kind == "replica_failed" for e in events))
+    await supervisor.stop()
+    assert "replica_ready" not in [e.kind for e in events]
+    died = [e for e in events if e.kind == "replica_died"]
+    assert len(died) == 2 and all(e.message.startswith("answered /health but generated no token") for e in died)
+    assert all(e.pid is not None and not process_alive(e.pid) for e in died)
+
+
+async def test_a_supervisor_with_an_owner_stops_its_replicas_and_exits_once_the_owner_is_gone(tmp_path: Path) -> None:
+    owner = subprocess.Popen(["sleep", "600"])
+    cfg = config(tmp_path, stand_in(tmp_path, "exec sleep 600"), owner_pid=owner.pid, health_interval_s=0.2)
+    supervisor = launch_detached(cfg, python=sys.executable)
+    try:
+        await wait_for(lambda: (s := read_state(tmp_path / "state")) is not None and s.replicas[0].pid is not None)
+        replica_pid = read_state(tmp_path / "state").replicas[0].pid  # type: ignore[union-attr]
+        assert replica_pid is not None and process_alive(replica_pid)
+        owner.kill()  # as a Celery worker killed mid-task, or a bench past its timeout
+        owner.wait()
+        await wait_for(lambda: not process_alive(supervisor), timeout_s=30)
+        assert not process_alive(replica_pid)
+        assert "owner" in (tmp_path / "state" / "supervisor.log").read_text()
+    finally:
+        owner.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor, signal.SIGKILL)
 
 
 def three_free_ports() -> int:
@@ -134,17 +193,24 @@ async def test_stop_kills_a_starting_replica_with_its_children_and_records_it(tm
     assert state.supervisor_pid == os.getpid()
 
 
-# A replica whose engine is stuck: /health says 200, a completion never comes.
-STUCK_SERVER = f"""#!{sys.executable}
+# A stand-in vLLM server: /health says 200; the first completion and the later ones as given.
+SERVER = f"""#!{sys.executable}
 import sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+posts = 0
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers()
 
     def do_POST(self):
-        time.sleep(600)
+        global posts
+        posts += 1
+        if posts == 1:
+            {{first_post}}
+        else:
+            {{later_posts}}
 
     def log_message(self, *args):
         pass
@@ -152,6 +218,11 @@ class Handler(BaseHTTPRequestHandler):
 port = int(sys.argv[sys.argv.index("--port") + 1])
 ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 """
+# A replica whose engine gets stuck once ready: its first token comes, then no completion does.
+STUCK_SERVER = SERVER.format(
+    first_post="self.send_response(200); self.end_headers(); self.wfile.write(b'{{}}')",
+    later_posts="time.sleep(600)",
+)
 
 
 async def test_a_replica_that_answers_health_but_never_generates_is_taken_out_then_restarted(tmp_path: Path) -> None:
