@@ -57,9 +57,11 @@ types: venv
 	$(BIN)/mypy training serving hostworker platform
 
 # The whole suite on the embedded default (SQLite, filesystem broker, in-memory channel layer),
-# ending with its 30 slowest tests: the suite should take ~45 minutes here.
+# ending with its 30 slowest tests and its time by file and by what the tests start
+# (docs/testing.md keeps these tables).
 test-embedded: venv
-	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q --durations=30
+	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q --durations=30 --timings=$$d/timings.jsonl \
+		&& $(BIN)/python -m tools.test_timings $$d/timings.jsonl
 
 # The control-plane tests again on PostgreSQL + Redis: every API, database and channel-layer test,
 # and the run lifecycle end to end (marked `services`). The other slow ones (namespace hosts, Slurm,

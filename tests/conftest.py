@@ -4,12 +4,26 @@ one-machine Slurm cluster."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import s3fs
 
+from tests.timings import TimingsRecorder
 from tools.s3_server import S3Server
 from tools.slurm_cluster import SlurmCluster
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--timings", metavar="FILE", default=None,
+        help="write each test's wall time and what it starts to FILE (python -m tools.test_timings FILE groups them)",
+    )  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if path := config.getoption("--timings"):
+        config.pluginmanager.register(TimingsRecorder(Path(path)), "fathom-timings")
 
 
 @pytest.fixture(scope="session")
