@@ -24,7 +24,19 @@ class WebhookSerializer(ModelSerializer):
         model = Webhook
         fields = ["id", "url", "secret", "events", "created_at"]
         read_only_fields = ["id", "created_at"]
-        extra_kwargs = {"secret": {"write_only": True, "min_length": 16}}
+        extra_kwargs = {
+            "secret": {"write_only": True, "min_length": 16},
+            # Which addresses a URL may reach depends on where its name resolves and on
+            # FATHOM_WEBHOOK_ALLOW_NETWORKS (controlplane/outbound.py): the schema can only say so.
+            # (A pattern for the scheme made schemathesis' generator stall with maxLength 1000.)
+            "url": {
+                "help_text": (
+                    "http:// or https:// URL that receives the events. Refused (400) when its host is, "
+                    "or resolves to, a loopback, private, link-local or other internal address, or is "
+                    "this server's own host name."
+                ),
+            },
+        }
 
     def validate_url(self, url: str) -> str:
         try:

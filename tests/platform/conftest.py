@@ -102,10 +102,11 @@ def stop(process: subprocess.Popen) -> None:
 
 
 class WebServer:
-    def __init__(self, port: int, log: Path) -> None:
+    def __init__(self, port: int, log: Path, env: dict[str, str] | None = None) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
+        self.env = env or {}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -117,7 +118,7 @@ class WebServer:
                 self.process = subprocess.Popen(
                     web_command(self.port),
                     cwd=REPO / "platform",
-                    env=process_env(FATHOM_PUBLIC_URL=self.url),
+                    env=process_env(FATHOM_PUBLIC_URL=self.url, **self.env),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )
