@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.api import ModelSerializer
@@ -9,6 +10,21 @@ from deployments.models import ApiKey, Deployment, DeploymentEvent, Replica
 from deployments.services import QUANTIZATION_CHOICES
 from runs.models import Checkpoint
 from serving.supervisor import MAX_REPLICAS
+
+
+@extend_schema_field({"type": "object", "additionalProperties": True})
+class OptionsField(serializers.JSONField):
+    """A JSON object of vLLM options; which keys and values a checkpoint takes is checked at create
+    (deployments.options), so the schema states only that it is an object."""
+
+    default_error_messages = {"not_an_object": "must be an object of vLLM options (see serving.vllm); got {kind}"}
+
+    def to_internal_value(self, data: Any) -> Any:
+        value = super().to_internal_value(data)
+        if not isinstance(value, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+            self.fail("not_an_object", kind=kind)
+        return value
 
 
 class ReplicaSerializer(ModelSerializer):
@@ -20,7 +36,7 @@ class ReplicaSerializer(ModelSerializer):
 class DeploymentSerializer(ModelSerializer):
     checkpoint = serializers.PrimaryKeyRelatedField(queryset=Checkpoint.objects.none())
     replicas = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS, default=1)
-    options = serializers.JSONField(default=dict, help_text="vLLM options (see serving.vllm).")
+    options = OptionsField(default=dict, help_text="vLLM options (see serving.vllm).")
     replica_set = ReplicaSerializer(many=True, read_only=True)
     quantization = serializers.ChoiceField(
         choices=QUANTIZATION_CHOICES,

@@ -83,8 +83,10 @@ class CheckpointExportDownload(APIView):
         }
     )
     def get(self, request: Request, run_id: int, checkpoint_id: int) -> StreamingHttpResponse:
+        # run__pk, not run_id: Django answers an id past SQLite's 64-bit integers as no row for a
+        # primary key, but binds a foreign key column's value as it is (OverflowError, a 500).
         checkpoint = get_object_or_404(
-            Checkpoint.objects.filter(run__owner_id=request.user.pk, run_id=run_id), pk=checkpoint_id
+            Checkpoint.objects.filter(run__owner_id=request.user.pk, run__pk=run_id), pk=checkpoint_id
         )
         export = checkpoint.export_path
         if not export:

@@ -22,6 +22,22 @@ from training.config import RECIPES
 # needs no escaping and "Baseline" and "baseline" are never two tags.
 TAG_PATTERN = re.compile(r"[a-z0-9][a-z0-9_.:-]{0,31}")
 TAG_RULE = "1 to 32 characters: lower-case letters, digits and - _ . : (starting with a letter or digit)"
+# What the API schema states (drf-spectacular), built from TAG_PATTERN: a tag in a PATCH, as it is
+# (no white space around it), and a `?tag=` value, which holds one or more comma-separated tags,
+# each trimmed, empty ones skipped (`_values`). The white space is what str.strip() removes, spelled
+# out: a schema's regex is ECMA's, whose \s is not quite Python's.
+TAG_SCHEMA_PATTERN = f"^{TAG_PATTERN.pattern}$"
+_SPACE = "[" + "".join(f"\\u{ord(c):04x}" for c in map(chr, range(0x3001)) if c.isspace()) + "]"
+
+
+def list_pattern(item: str) -> str:
+    """The regex of a query value `_values` reads: items matching `item`, comma-separated."""
+    one = rf"{_SPACE}*(?:(?:{item}){_SPACE}*)?"
+    return rf"^{one}(?:,{one})*$"
+
+
+TAG_FILTER_PATTERN = list_pattern(TAG_PATTERN.pattern)
+STATUS_FILTER_PATTERN = list_pattern("|".join(re.escape(status) for status in Run.Status.values))
 MAX_TAGS = 16
 MAX_TAG_LENGTH = 32
 MAX_NOTE = 10_000

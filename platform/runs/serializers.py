@@ -36,6 +36,22 @@ class DatasetSerializer(ModelSerializer):
         )
 
 
+class DatasetPathSerializer(serializers.Serializer):
+    """`POST /api/datasets/` as JSON, which only names a server file (administrators only); a file
+    is uploaded as multipart/form-data."""
+
+    name = Text(required=False, allow_blank=True, max_length=200)
+    path = Text(help_text="Administrators only: a .txt or .jsonl file on the server.")
+
+
+class PretrainedModelPathSerializer(serializers.Serializer):
+    """`POST /api/pretrained-models/` as JSON, which only names a server folder (administrators
+    only); a folder's files are uploaded as multipart/form-data."""
+
+    name = Text(required=False, allow_blank=True, max_length=200)
+    path = Text(help_text="Administrators only: a Hugging Face Llama folder on the server.")
+
+
 class PretrainedModelSerializer(ModelSerializer):
     files = serializers.ListField(
         child=serializers.FileField(),
@@ -178,11 +194,20 @@ class RunSerializer(ModelSerializer):
         )
 
 
+@extend_schema_field({"type": "string", "pattern": organise.TAG_SCHEMA_PATTERN})
+class TagText(Text):
+    """A tag as PATCH takes it, which `organise.check_tag` holds to TAG_PATTERN: taken as it is, not
+    trimmed, so the pattern the schema states is the whole rule."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(trim_whitespace=False, **kwargs)
+
+
 class OrganiseSerializer(serializers.Serializer):
     """`PATCH /api/runs/<id>/`: what the owner may change on a run after launch. Left out: unchanged."""
 
     tags = serializers.ListField(
-        child=Text(max_length=organise.MAX_TAG_LENGTH, error_messages={"max_length": f"a tag is {organise.TAG_RULE}"}),
+        child=TagText(max_length=organise.MAX_TAG_LENGTH, error_messages={"max_length": f"a tag is {organise.TAG_RULE}"}),
         max_length=organise.MAX_TAGS,
         required=False,
         help_text=f"Replaces the run's tags; each is {organise.TAG_RULE}; at most {organise.MAX_TAGS}.",

@@ -27,10 +27,12 @@ from runs.serializers import (
     CloneSerializer,
     CompareQuerySerializer,
     ComparisonSerializer,
+    DatasetPathSerializer,
     DatasetSerializer,
     IngestSerializer,
     MemberSerializer,
     OrganiseSerializer,
+    PretrainedModelPathSerializer,
     PretrainedModelSerializer,
     ProjectSerializer,
     RunEventSerializer,
@@ -73,6 +75,12 @@ def owned(view: Any, queryset: QuerySet[Any], owner_field: str = "owner") -> Que
     return queryset.filter(**{owner_field: view.request.user})
 
 
+@extend_schema_view(
+    create=extend_schema(
+        request={"multipart/form-data": DatasetSerializer, "application/json": DatasetPathSerializer},
+        responses={201: DatasetSerializer},
+    )
+)
 class DatasetViewSet(
     mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
 ):
@@ -84,6 +92,12 @@ class DatasetViewSet(
         return owned(self, Dataset.objects.all())
 
 
+@extend_schema_view(
+    create=extend_schema(
+        request={"multipart/form-data": PretrainedModelSerializer, "application/json": PretrainedModelPathSerializer},
+        responses={201: PretrainedModelSerializer},
+    )
+)
 class PretrainedModelViewSet(
     mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
 ):
@@ -100,9 +114,15 @@ class PretrainedModelViewSet(
 RUN_FILTERS = [
     OpenApiParameter("search", str, description="Runs whose name or note contains this text (any case)."),
     OpenApiParameter(
-        "tag", str, many=True, description="Runs that carry every one of these tags (repeat it, or separate with commas)."
+        "tag",
+        {"type": "array", "items": {"type": "string", "pattern": organise.TAG_FILTER_PATTERN}},
+        description="Runs that carry every one of these tags (repeat it, or separate with commas).",
     ),
-    OpenApiParameter("status", str, description=f"Comma-separated statuses, any of: {', '.join(Run.Status.values)}."),
+    OpenApiParameter(
+        "status",
+        {"type": "string", "pattern": organise.STATUS_FILTER_PATTERN},
+        description=f"Comma-separated statuses, any of: {', '.join(Run.Status.values)}.",
+    ),
     OpenApiParameter("recipe", str, enum=list(RECIPES), description="Runs launched from this recipe."),
     OpenApiParameter("project", int, description="Runs in this project (its id)."),
     OpenApiParameter("layout", str, description=f"Runs with this layout: {organise.LAYOUT_RULE}."),

@@ -53,6 +53,10 @@ def test_another_users_export_and_logs_answer_404(bob_api, exported):
 def test_a_checkpoint_of_another_run_is_not_found_under_this_one(alice, alice_api, exported):
     other = Run.objects.create(owner=alice, name="other", spec={})
     assert alice_api.get(f"/api/runs/{other.pk}/checkpoints/{exported.pk}/export.tar").status_code == 404
+    # An id past SQLite's 64-bit integers is no run either (it was a 500).
+    huge = 158728417109384658944
+    assert alice_api.get(f"/api/runs/{huge}/checkpoints/{exported.pk}/export.tar").status_code == 404
+    assert alice_api.get(f"/api/runs/{exported.run_id}/checkpoints/{huge}/export.tar").status_code == 404
 
 
 @pytest.mark.django_db

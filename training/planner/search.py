@@ -255,23 +255,37 @@ def explain(result: PlanResult) -> str:
 # --- The control plane's entry point --------------------------------------------------------------
 
 
+# What `plan_query` takes, which the API schema states (runs/plan.py): a parameter left out takes
+# its default; an empty one is refused like any other value it does not allow. The search walks every
+# (tp, pp) pair of divisors of the world size, so a cluster past these bounds would hold a request
+# for minutes (1,024 nodes × 64 devices at worst ≈ 10 s); a sequence length or batch past them
+# overflows the float arithmetic of the estimates.
+PRECISIONS: tuple[Precision, ...] = ("bf16", "fp32")
+QUERY_MAXIMUMS: dict[str, int | None] = {"nodes": 1024, "gpus_per_node": 64, "global_batch": 1 << 20, "seq_len": 1 << 20, "top": None}
+
+
 def _int(query: Mapping[str, str], name: str, default: int | None) -> int:
     raw = query.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         if default is None:
             raise SpecError(name, "is required")
         return default
+    high = QUERY_MAXIMUMS[name]
+    allowed = f"a positive integer up to {high:,}" if high is not None else "a positive integer"
+    # Digits only: int() would also take " 8", "+8" and "8_0", which the schema's integer is not.
+    if not (raw.isascii() and raw.isdigit()):
+        raise SpecError(name, f"must be {allowed}; got {raw!r}")
     try:
         value = int(raw)
-    except (TypeError, ValueError):
-        raise SpecError(name, f"must be a positive integer; got {raw!r}") from None
-    if value < 1:
-        raise SpecError(name, f"must be a positive integer; got {value}")
+    except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits)
+        raise SpecError(name, f"must be {allowed}; got {raw[:20]}… ({len(raw)} digits)") from None
+    if value < 1 or (high is not None and value > high):
+        raise SpecError(name, f"must be {allowed}; got {value}")
     return value
 
 
 def _choice(query: Mapping[str, str], name: str, allowed: Iterable[str], default: str) -> str:
-    value = query.get(name) or default
+    value = query.get(name, default)
     allowed = tuple(allowed)
     if value not in allowed:
         raise SpecError(name, f"must be one of {', '.join(allowed)}; got {value!r}")
@@ -280,7 +294,7 @@ def _choice(query: Mapping[str, str], name: str, allowed: Iterable[str], default
 
 def plan_query(query: Mapping[str, str]) -> dict[str, Any]:
     """`GET /api/plan?model=70b&nodes=128&gpus_per_node=8&gpu=h100&global_batch=1024[&seq_len=8192]
-    [&precision=bf16][&trainer=fathom|fixed][&top=10]`: plain query strings in, a JSON-ready dict out.
+    [&precision=bf16][&trainer=fathom|before-fixes][&top=10]`: plain query strings in, a JSON-ready dict out.
 
     Raises `SpecError` (with `.field` naming the query parameter) for a bad value."""
     model = model_preset(_choice(query, "model", MODEL_NAMES, "8b"))
@@ -291,7 +305,7 @@ def plan_query(query: Mapping[str, str]) -> dict[str, Any]:
     cluster = Cluster(
         device=DEVICES[gpu], nodes=_int(query, "nodes", 1), devices_per_node=_int(query, "gpus_per_node", 8)
     )
-    precision: Precision = _choice(query, "precision", ("bf16", "fp32"), "fp32" if gpu == "cpu" else "bf16")  # type: ignore[assignment]
+    precision: Precision = _choice(query, "precision", PRECISIONS, "fp32" if gpu == "cpu" else "bf16")  # type: ignore[assignment]
     impl = IMPLEMENTATIONS[_choice(query, "trainer", IMPLEMENTATIONS, "fathom")]
     result = plan(model, cluster, _int(query, "global_batch", None), precision=precision, impl=impl)
     return result_to_dict(result, top=_int(query, "top", 10))
