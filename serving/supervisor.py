@@ -356,14 +356,15 @@ class Supervisor:
             last = failed_starts[-self.config.failed_starts_to_give_up :]
             if len(last) == self.config.failed_starts_to_give_up and len(set(last)) == 1:
                 # The same death at every start: a restart would only repeat it.
-                self._set_phase(replica, "failed")
-                self._emit("replica_failed", replica, exit_code=life.code, message=_start_failure(len(last), life))
+                self._set_phase(
+                    replica, "failed", event="replica_failed",
+                    event_data={"exit_code": life.code, "message": _start_failure(len(last), life)},
+                )  # fmt: skip
                 return
             delay = min(self.config.restart_backoff_s * 2**failures_in_a_row, self.config.restart_backoff_max_s)
             failures_in_a_row += 1
             replica.restarts += 1
-            self._set_phase(replica, "restarting")
-            self._emit("replica_restarting", replica, delay_s=delay)
+            self._set_phase(replica, "restarting", event="replica_restarting", event_data={"delay_s": delay})
             await asyncio.sleep(delay)
 
     async def _one_life(self, replica: ReplicaState) -> Life | None:
@@ -388,8 +389,7 @@ class Supervisor:
                 # before any router sends it a user's request.
                 if await self._generates(launch.url):
                     became_ready = True
-                    self._set_phase(replica, "ready", ready_at=time.time())
-                    self._emit("replica_ready", replica)
+                    self._set_phase(replica, "ready", event="replica_ready", ready_at=time.time())
                     message = await self._watch(replica, proc, launch)
                     stayed_ready = bool(replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s)
                 elif proc.returncode is None and not self._stopping:
@@ -454,10 +454,9 @@ class Supervisor:
             )  # fmt: skip
         self._procs[replica.index] = proc
         self._set_phase(
-            replica, "starting",
+            replica, "starting", event="replica_starting",
             port=launch.port, pid=proc.pid, url=launch.url, log=str(log_path), started_at=time.time(), ready_at=None,
         )  # fmt: skip
-        self._emit("replica_starting", replica)
         return proc, launch
 
     async def _probe(self, url: str) -> bool:
@@ -513,18 +512,15 @@ class Supervisor:
                 if healthy:
                     failed, unhealthy_since = 0, None
                     if replica.phase == "unhealthy":
-                        self._set_phase(replica, "ready")
-                        self._emit("replica_ready", replica, message="healthy again")
+                        self._set_phase(replica, "ready", event="replica_ready", event_data={"message": "healthy again"})
                     continue
                 failed += 1
                 if failed >= self.config.unhealthy_after and replica.phase == "ready":
                     unhealthy_since = time.monotonic()
-                    self._set_phase(replica, "unhealthy")
-                    self._emit(
-                        "replica_unhealthy",
-                        replica,
-                        message=f"{failed} failed probes (/health or one-token generation)",
-                    )
+                    self._set_phase(
+                        replica, "unhealthy", event="replica_unhealthy",
+                        event_data={"message": f"{failed} failed probes (/health or one-token generation)"},
+                    )  # fmt: skip
                 if (
                     unhealthy_since is not None
                     and time.monotonic() - unhealthy_since >= self.config.restart_unhealthy_after_s
@@ -546,8 +542,7 @@ class Supervisor:
                 self._set_phase(replica, "draining")
                 await self._drain(replica.url)
             await self._terminate(proc, grace_s=self.config.stop_grace_s)
-        self._set_phase(replica, "stopped")
-        self._emit("replica_stopped", replica)
+        self._set_phase(replica, "stopped", event="replica_stopped")
 
     async def _drain(self, url: str) -> None:
         """Wait until the replica reports no running or waiting request. Routers stop sending new
@@ -584,10 +579,24 @@ class Supervisor:
 
     # -- state and events -------------------------------------------------------------------
 
-    def _set_phase(self, replica: ReplicaState, phase: Phase, **changes: Any) -> None:
+    def _set_phase(
+        self,
+        replica: ReplicaState,
+        phase: Phase,
+        *,
+        event: EventKind | None = None,
+        event_data: dict[str, Any] | None = None,
+        **changes: Any,
+    ) -> None:
+        """Moves the replica to `phase` (with `changes` to its fields) and announces it with
+        `event`. The event is appended before the state file says the phase, so a reader that
+        sees the phase finds the event that announced it (a test read the state of two ready
+        replicas, then an events file without the second one's `replica_ready`)."""
         replica.phase = phase
         for name, value in changes.items():
             setattr(replica, name, value)
+        if event is not None:
+            self._emit(event, replica, **(event_data or {}))
         self._write_state()
         self._changed.set()
 

@@ -10,13 +10,14 @@ costs one system call; on a CPU without AMX the kernel refuses it and nothing ch
 """
 
 import ctypes
-import platform
+import os
+import sys
 
 _SYS_ARCH_PRCTL = 158  # x86-64 only
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
 
-if platform.system() == "Linux" and platform.machine() == "x86_64":
+if sys.platform == "linux" and os.uname().machine == "x86_64":
     try:
         ctypes.CDLL(None, use_errno=True).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
     except (OSError, AttributeError):  # no libc symbols to call: nothing asked, nothing lost

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from hostworker.devices import cpu_flags
 from serving.supervisor import DeploymentConfig, engine_error, replica_gpus
 from serving.vllm import (
     REPLICA_SITE,
@@ -383,3 +387,20 @@ def test_a_deployment_config_round_trips_through_json_and_checks_its_fields(tmp_
         assert error_of(dataclasses.replace, config, ports=ports).field == "ports"
     assert error_of(dataclasses.replace, config, cpu_binds=("zero",)).field == "cpu_threads_bind"
     assert error_of(DeploymentConfig.from_dict, {**config.to_dict(), "replica": 3}).field == "replica"
+
+
+def test_a_cpu_replicas_processes_may_run_amx_tile_instructions_where_the_cpu_has_them() -> None:
+    # What vLLM's spawned processes do at start: run Python with the replica's PYTHONPATH. Linux
+    # then reports tile data (XFEATURE 18) among the process's permitted features; on a CPU
+    # without AMX the request is refused and the process runs as before.
+    asks_linux = (
+        "import ctypes; v = ctypes.c_ulong(0); "
+        "ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(v)); print(v.value >> 18 & 1)"  # ARCH_GET_XCOMP_PERM
+    )
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPLICA_SITE)}
+    done = subprocess.run([sys.executable, "-c", asks_linux], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    if os.uname().machine == "x86_64":
+        assert done.stdout.strip() == ("1" if "amx_tile" in cpu_flags() else "0")
+    without = subprocess.run([sys.executable, "-c", asks_linux], env={"PATH": env["PATH"]}, capture_output=True, text=True)
+    assert without.stdout.strip() in ("0", "")  # a process that did not ask has no permission
