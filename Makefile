@@ -22,7 +22,7 @@ export OMP_NUM_THREADS ?= 1
 POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/fathom
 REDIS_TEST_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: run test venv vllm-env quantize-env system-packages services lint types test-embedded test-services clean
+.PHONY: run test test-quick venv vllm-env quantize-env system-packages services lint types test-embedded test-services clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ test-embedded: venv
 test-services: venv services
 	d=$$(mktemp -d /tmp/fathom-test-pg-XXXX) && FATHOM_DATA_DIR=$$d DATABASE_URL=$(POSTGRES_URL) REDIS_URL=$(REDIS_TEST_URL) \
 		$(BIN)/python -m pytest tests/platform -q -m "not vllm and (not slow or services)"
+
+# The inner loop (docs/testing.md): the control plane's, serving's and the planner's tests that
+# start no process, in a few minutes; make test runs them too, with everything else.
+test-quick: venv
+	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q --quick
 
 test: venv vllm-env quantize-env system-packages services
 	$(MAKE) --no-print-directory lint types test-embedded test-services

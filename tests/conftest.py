@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import s3fs
 
-from tests.timings import TimingsRecorder
+from tests.timings import TimingsRecorder, starts_of
 from tools.s3_server import S3Server
 from tools.slurm_cluster import SlurmCluster
 
@@ -21,9 +21,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )  # fmt: skip
 
 
+    parser.addoption(
+        "--quick", action="store_true", default=False,
+        help="the inner loop's tier (make test-quick): the control plane's, serving's and the planner's "
+        "tests that start no process (docs/testing.md)",
+    )  # fmt: skip
+
+
+# The parts whose tests mostly start ranks, agents or browsers, and so stay out of the quick tier.
+PROCESS_TIERS = ("tests/training/", "tests/faults/", "tests/storage/", "tests/e2e/")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if path := config.getoption("--timings"):
         config.pluginmanager.register(TimingsRecorder(Path(path)), "fathom-timings")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--quick"):
+        return
+    keep, drop = [], []
+    for item in items:
+        markers = {m.name for m in item.iter_markers()}
+        in_process = starts_of(set(getattr(item, "fixturenames", ())), markers) == "in-process"
+        (keep if in_process and not item.nodeid.startswith(PROCESS_TIERS) else drop).append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
 
 
 @pytest.fixture(scope="session")
