@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -137,16 +138,24 @@ class WebServer:
             stop(self.process)
 
 
-@pytest.fixture
-def live_web(transactional_db, tmp_path) -> Iterator[WebServer]:
-    server = WebServer(free_port(), tmp_path / "web.log")
+@contextmanager
+def serving(server: WebServer) -> Iterator[WebServer]:
+    """Starts `server` as the control plane's public URL; stops it after."""
     server.start()
     # Agents and tasks started from this process post their events to this server.
     old = settings.PUBLIC_URL
     settings.PUBLIC_URL = server.url
-    yield server
-    settings.PUBLIC_URL = old
-    server.stop()
+    try:
+        yield server
+    finally:
+        settings.PUBLIC_URL = old
+        server.stop()
+
+
+@pytest.fixture
+def live_web(transactional_db, tmp_path) -> Iterator[WebServer]:
+    with serving(WebServer(free_port(), tmp_path / "web.log")) as server:
+        yield server
 
 
 def purge_broker() -> None:

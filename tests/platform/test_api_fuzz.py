@@ -15,12 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from django.conf import settings
 from rest_framework.authtoken.models import Token
 
 from deployments.models import ApiKey, Deployment
 from runs.models import Checkpoint, Run
-from tests.platform.conftest import WebServer, free_port
+from tests.platform.conftest import WebServer, free_port, serving
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -47,13 +46,8 @@ def give_alice_some_of_everything(alice) -> None:
 def offline_web(transactional_db, tmp_path) -> Iterator[WebServer]:
     """`live_web` whose process asks no DNS server (its name lookups fail, numeric ones aside)."""
     path = os.pathsep.join(p for p in (str(OFFLINE), os.environ.get("PYTHONPATH", "")) if p)
-    server = WebServer(free_port(), tmp_path / "web.log", env={"PYTHONPATH": path})
-    server.start()
-    old = settings.PUBLIC_URL
-    settings.PUBLIC_URL = server.url
-    yield server
-    settings.PUBLIC_URL = old
-    server.stop()
+    with serving(WebServer(free_port(), tmp_path / "web.log", env={"PYTHONPATH": path})) as server:
+        yield server
 
 
 def test_the_api_answers_every_generated_request_as_its_schema_says(alice, offline_web):
