@@ -40,7 +40,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.getoption("--quick"):
         return
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         markers = {m.name for m in item.iter_markers()}
         in_process = starts_of(set(getattr(item, "fixturenames", ())), markers) == "in-process"
