@@ -19,6 +19,9 @@ export FATHOM_QUANTIZE_PYTHON := $(FATHOM_QUANTIZE_ENV)/bin/python
 # Every process picks its thread count on purpose: two OpenMP threads on two cores make small
 # matmuls several times slower once ranks and servers share the machine.
 export OMP_NUM_THREADS ?= 1
+# Two pytest-xdist workers, one a core: most tests wait on the processes they start, and a file's
+# tests stay on one worker, the most expensive groups handed out first (tests/conftest.py).
+WORKERS := -n 2 --dist loadgroup --no-loadscope-reorder
 POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/fathom
 REDIS_TEST_URL ?= redis://127.0.0.1:6379/0
 
@@ -60,7 +63,7 @@ types: venv
 # ending with its 30 slowest tests and its time by file and by what the tests start
 # (docs/testing.md keeps these tables).
 test-embedded: venv
-	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q --durations=30 --timings=$$d/timings.jsonl \
+	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q $(WORKERS) --durations=30 --timings=$$d/timings.jsonl \
 		&& $(BIN)/python -m tools.test_timings $$d/timings.jsonl
 
 # The control-plane tests again on PostgreSQL + Redis: every API, database and channel-layer test,
@@ -69,12 +72,12 @@ test-embedded: venv
 # (placement's locked transactions, host and job rows) is tested here by the fast tests of it.
 test-services: venv services
 	d=$$(mktemp -d /tmp/fathom-test-pg-XXXX) && FATHOM_DATA_DIR=$$d DATABASE_URL=$(POSTGRES_URL) REDIS_URL=$(REDIS_TEST_URL) \
-		$(BIN)/python -m pytest tests/platform -q -m "not vllm and (not slow or services)"
+		$(BIN)/python -m pytest tests/platform -q $(WORKERS) -m "not vllm and (not slow or services)"
 
 # The inner loop (docs/testing.md): the control plane's, serving's and the planner's tests that
 # start no process, in a few minutes; make test runs them too, with everything else.
 test-quick: venv
-	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q --quick
+	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q $(WORKERS) --quick
 
 test: venv vllm-env quantize-env system-packages services
 	$(MAKE) --no-print-directory lint types test-embedded test-services

@@ -30,24 +30,28 @@ def starts_of(fixtures: set[str], markers: set[str]) -> str:
     return next((name for name, names in STARTS if wanted & names), "in-process")
 
 
+def what_it_starts(item: pytest.Item) -> tuple[str, list[str]]:
+    """What `item` starts and which of the suite's markers it has."""
+    markers = {m.name for m in item.iter_markers()} & {"slow", "vllm", "browser", "services"}
+    return starts_of(set(getattr(item, "fixturenames", ())), markers), sorted(markers)
+
+
 class TimingsRecorder:
+    """Registered where the reports arrive: in the one pytest process, or in pytest-xdist's
+    controller, whose workers send each report with what its test starts (`user_properties`)."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.tests: dict[str, dict[str, Any]] = {}
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item) -> None:
-        markers = {m.name for m in item.iter_markers()} & {"slow", "vllm", "browser", "services"}
-        fixtures = set(getattr(item, "fixturenames", ()))
-        self.tests[item.nodeid] = {
-            "test": item.nodeid, "file": item.nodeid.split("::", 1)[0], "seconds": 0.0, "outcome": "passed",
-            "markers": sorted(markers), "starts": starts_of(fixtures, markers),
-        }  # fmt: skip
-
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        test = self.tests.get(report.nodeid)
-        if test is None:
+        said = dict(report.user_properties)
+        if "starts" not in said:
             return
+        test = self.tests.setdefault(report.nodeid, {
+            "test": report.nodeid, "file": report.nodeid.split("::", 1)[0], "seconds": 0.0, "outcome": "passed",
+            "markers": said["markers"], "starts": said["starts"],
+        })  # fmt: skip
         test["seconds"] += report.duration
         if report.outcome != "passed" and test["outcome"] == "passed":
             test["outcome"] = report.outcome

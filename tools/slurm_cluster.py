@@ -19,6 +19,7 @@ munge, and is left running.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import shutil
 import signal
@@ -60,11 +61,18 @@ def _free_port() -> int:
 
 
 def install_if_missing() -> None:
-    """apt-get install slurm-wlm and munge when their daemons are not on this machine."""
-    if shutil.which("slurmctld") and shutil.which("munged"):
-        return
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"], check=True, env=env)
+    """apt-get install slurm-wlm and munge when their daemons are not on this machine, one
+    process at a time (apt-get exits 100 while another holds dpkg's lock). An install that fails
+    is tried once more after `apt-get update`, for a machine whose package lists are stale."""
+    with open("/tmp/fathom-slurm-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shutil.which("slurmctld") and shutil.which("munged"):
+            return
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        install = ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"]
+        if subprocess.run(install, env=env).returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+            subprocess.run(install, check=True, env=env)
 
 
 def start_munge() -> None:
@@ -78,11 +86,13 @@ def start_munge() -> None:
     if not key.exists():
         subprocess.run(["mungekey", "--create"], check=True)
         shutil.chown(key, "munge", "munge")
-    subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "munged"], check=True)
+    # munged exits 1 when another process started one a moment before (the socket's lock is
+    # taken): what counts is that a credential round-trips after it.
+    started = subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "munged"], capture_output=True, text=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _munge_works():
         if time.monotonic() > deadline:
-            raise RuntimeError("munged did not start; see /var/log/munge/munged.log")
+            raise RuntimeError(f"munged did not start ({started.stderr.strip()}); see /var/log/munge/munged.log")
         time.sleep(0.2)
 
 
