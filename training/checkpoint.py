@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -116,17 +117,42 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
+@functools.cache
+def stager_is_reusable() -> bool:
+    """Whether one DefaultStager can stage save after save. torch 2.11.0's clears its copy table
+    after each save and fails the next with `KeyError: <class 'type'>` (pytorch/pytorch#183413,
+    fixed by 2.13), which GPU hosts on 2.11 would meet at a run's second background save: there,
+    each save gets a stager of its own (its buffers are not kept from one save to the next)."""
+    probe = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        probe.stage({"probe": torch.zeros(1)})
+        probe.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 # --- RNG ------------------------------------------------------------------------------------
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator a rank draws from. On a GPU, dropout and `torch.rand` on the device draw
+    from the device's own generator, which the CPU one does not cover: without it a resumed run
+    draws other numbers than the uninterrupted one."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the rank's own GPU (`device.activate`)
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 # --- Saving and loading ---------------------------------------------------------------------
@@ -187,14 +213,13 @@ class Checkpointer:
             # copies on its own thread while the next step's forward and backward run (they read
             # the parameters; only the optimizer step, which waits for the copy, writes them).
             on_gpu = any(p.is_cuda for part in parts for p in part.parameters())
-            self._stager: DefaultStager | None = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=on_gpu,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=on_gpu,
-                )
+            self._staging_options = StagingOptions(
+                use_pinned_memory=on_gpu,
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=on_gpu,
             )
+            self._stager: DefaultStager | None = DefaultStager(self._staging_options)
             # Waiting for the write, the hooks and (rank 0) the commit's fsyncs and renames all
             # happen here, off the training thread.
             self._finisher: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="fathom-checkpoint")
@@ -288,13 +313,18 @@ class Checkpointer:
     def _save_in_background(self, step: int, staging: Path | str, trainer_state: dict[str, Any]) -> None:
         assert self._stager is not None and self._finisher is not None
         self._write_rng(step, staging)  # now: the RNG moves on with the next step
+        stager = self._stager if stager_is_reusable() else DefaultStager(self._staging_options)
         response = dcp.async_save(
-            self._state_dict(), process_group=self.async_group, async_stager=self._stager, **self._writer(staging)
+            self._state_dict(), process_group=self.async_group, async_stager=stager, **self._writer(staging)
         )
         assert isinstance(response, AsyncSaveResponse)
 
         def finish() -> None:
-            response.upload_completion.result()  # re-raises a failed write
+            try:
+                response.upload_completion.result()  # re-raises a failed write
+            finally:
+                if stager is not self._stager:
+                    stager.close()
             # Each rank calls the hook once its own write is done, which for ranks other than 0
             # may be after rank 0 committed; with synchronous saves every rank calls it first.
             for hook in self.hooks:

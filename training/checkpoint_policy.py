@@ -27,8 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training.collectives import agreed
 from training.config import RunSpec
 from training.rank_environment import RankEnvironment
+
+CPU = torch.device("cpu")
 
 # The failure rate assumed until the run has seen one: an hourly failure is the planning figure
 # of large jobs (Llama 3 405B: one interruption every ~3 h on 16k GPUs); smaller jobs fail less,
@@ -55,6 +58,7 @@ class CheckpointPolicy:
         attempt: int,
         distributed: bool,
         memory_snapshots: bool = False,
+        device: torch.device = CPU,
     ) -> None:
         self.interval = interval  # train.checkpoint_interval; 0: Young's rule
         self.total_steps = total_steps
@@ -62,6 +66,7 @@ class CheckpointPolicy:
         # a rank's failure costs the disk nothing: only a lost host does, so M stays the prior.
         self.attempt = 0 if memory_snapshots else attempt
         self.distributed = distributed
+        self.device = device  # where the ranks agree on C and M: the rank's compute device
         self.next_step = first_step + FIRST_INTERVAL_STEPS
         self.save_cost: float | None = None  # C, agreed over the ranks, seconds
         self.young_interval: float | None = None  # τ, seconds
@@ -71,8 +76,9 @@ class CheckpointPolicy:
 
     @classmethod
     def for_run(
-        cls, spec: RunSpec, *, first_step: int, distributed: bool, memory_snapshots: bool = False
-    ) -> CheckpointPolicy:
+        cls, spec: RunSpec, *, first_step: int, distributed: bool, memory_snapshots: bool = False,
+        device: torch.device = CPU,
+    ) -> CheckpointPolicy:  # fmt: skip
         """The policy of `spec`, for an attempt that resumed at `first_step`."""
         env = RankEnvironment.from_environ()
         return cls(
@@ -82,6 +88,7 @@ class CheckpointPolicy:
             attempt=env.attempt if env is not None else 0,
             distributed=distributed,
             memory_snapshots=memory_snapshots,
+            device=device,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -115,24 +122,26 @@ class CheckpointPolicy:
     def _plan(self, step: int, extra: float) -> None:
         """Sets the next save's step from C (this save's cost) and M; same result on every rank."""
         self.save_cost, self.young_interval, steps = young_interval(
-            extra, statistics.median(self._step_times), step=step, failures=self.attempt, distributed=self.distributed
-        )
+            extra, statistics.median(self._step_times), step=step, failures=self.attempt, distributed=self.distributed,
+            device=self.device,
+        )  # fmt: skip
         self.next_step = step - 1 + steps
         self._saved_step = None
 
 
 def young_interval(
-    cost: float, step_s: float, *, step: int, failures: int, distributed: bool, least_cost: float = 1e-4
-) -> tuple[float, float, int]:
+    cost: float, step_s: float, *, step: int, failures: int, distributed: bool, least_cost: float = 1e-4,
+    device: torch.device = CPU,
+) -> tuple[float, float, int]:  # fmt: skip
     """(C, τ in seconds, τ in steps) by Young's rule, from this rank's cost C of one save, its median
     step time and the failures it counts, each the largest over the ranks (one all-reduce), so every
     rank gets the same answer.
 
     M is MTBF_PRIOR_S until the first of the `failures` counted, then the training time per failure so far.
     """
-    figures = torch.tensor([cost, step_s, failures], dtype=torch.float64)
+    figures = [cost, step_s, failures]
     if distributed:
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        figures = agreed(figures, dist.ReduceOp.MAX, device=device)
     cost, step_s, failures = float(figures[0]), max(float(figures[1]), 1e-6), int(figures[2])
     mtbf = MTBF_PRIOR_S if failures == 0 else step * step_s / failures
     # A cost measured as nothing (a background save that overlapped a step entirely) is not free.
@@ -162,9 +171,10 @@ class SnapshotPolicy:
     snapshots the same steps.
     """
 
-    def __init__(self, *, first_step: int, failures: int, distributed: bool) -> None:
+    def __init__(self, *, first_step: int, failures: int, distributed: bool, device: torch.device = CPU) -> None:
         self.failures = failures  # restarts so far that snapshots taken at the failure did not cover
         self.distributed = distributed
+        self.device = device
         self.first = first_step + FIRST_SNAPSHOT_STEPS
         self.measured = self.first + WARM_SNAPSHOT - 1  # the snapshot whose cost sets the interval
         self.every: int | None = None  # steps between snapshots, once agreed
@@ -187,5 +197,6 @@ class SnapshotPolicy:
             return
         step_s = statistics.median(self._step_times) if self._step_times else seconds
         self.cost, _, self.every = young_interval(
-            seconds, step_s, step=step, failures=self.failures, distributed=self.distributed, least_cost=1e-5
-        )
+            seconds, step_s, step=step, failures=self.failures, distributed=self.distributed, least_cost=1e-5,
+            device=self.device,
+        )  # fmt: skip

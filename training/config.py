@@ -117,7 +117,9 @@ class LayoutConfig:
     microbatches: int = 1  # pipeline micro-batches per local batch
     stages_per_rank: int = 1  # >1 only with the interleaved schedule (virtual stages)
     recompute: Recompute = "none"
-    overlap_grad_reduce: bool = True  # all-reduce gradients during backward instead of after it
+    # zero=0: all-reduce gradients during backward (bucket by bucket) instead of after it. FSDP
+    # (zero 1-3) always reduce-scatters each unit's gradients during backward.
+    overlap_grad_reduce: bool = True
     precision: Precision = "fp32"
 
     def __post_init__(self) -> None:
@@ -139,8 +141,17 @@ class LayoutConfig:
                 f"the {self.schedule} schedule needs at least one micro-batch per stage; "
                 f"got microbatches={self.microbatches}, pp={self.pp}",
             )
+        _require(
+            isinstance(self.overlap_grad_reduce, bool), "layout.overlap_grad_reduce",
+            f"must be true or false; got {self.overlap_grad_reduce!r}",
+        )  # fmt: skip
         if self.zero > 0:
             _require(self.dp > 1, "layout.zero", f"ZeRO stage {self.zero} shards over dp, which is 1; use zero=0")
+            _require(
+                self.overlap_grad_reduce, "layout.overlap_grad_reduce",
+                f"FSDP (zero {self.zero}) always reduces each unit's gradients during backward; "
+                "false applies to zero=0 only",
+            )  # fmt: skip
 
     @property
     def world_size(self) -> int:
@@ -179,9 +190,18 @@ class TrainConfig:
     # Global batches of held-out sequences per evaluation: the same sequences every time, so
     # evaluations compare across steps, restarts and layouts.
     eval_batches: int = 4
+    # Bitwise-reproducible kernels (training.device.make_deterministic): a resume then replays the
+    # uninterrupted run's losses exactly on GPUs too, where some kernels (an embedding's backward,
+    # scatter-adds) sum in a varying order and cuBLAS picks its workspace per call. It costs GPU
+    # throughput (slower deterministic kernels, a smaller cuBLAS workspace); CPU kernels are
+    # deterministic already, so CPU runs pay nothing.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "global_batch", "grad_accum", "keep_checkpoints", "eval_batches")
+        _require(
+            isinstance(self.deterministic, bool), "train.deterministic", f"must be true or false; got {self.deterministic!r}"
+        )
         _require(
             isinstance(self.eval_interval, int) and not isinstance(self.eval_interval, bool) and self.eval_interval >= 0,
             "train.eval_interval",

@@ -1,9 +1,10 @@
 """Where a rank computes: the one place that picks the device and the collective backend.
 
 A rank uses CUDA with NCCL when torch sees a GPU, its own GPU being `LOCAL_RANK` (torchrun's index
-of the process on its node); otherwise the CPU with gloo. Everything device-specific the trainer
-needs goes through `ComputeDevice`: the mesh's device type, where tensors go, autocast's device,
-the MFU denominator (`peak_flops`) and the memory figure.
+of the process on its node); otherwise the CPU with gloo. On a GPU the process group is
+`cpu:gloo,cuda:nccl`: NCCL carries the CUDA tensors, gloo the CPU ones (training.collectives).
+Everything device-specific the trainer needs goes through `ComputeDevice`: the mesh's device
+type, where tensors go, autocast's device, the MFU denominator (`peak_flops`) and the memory figure.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ BF16_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 @dataclass(frozen=True, kw_only=True)
 class ComputeDevice:
     type: Literal["cpu", "cuda"]
-    backend: Literal["gloo", "nccl"]
+    # The default process group's backend: "gloo", or one backend per device type.
+    backend: Literal["gloo", "cpu:gloo,cuda:nccl"]
     index: int | None = None  # the GPU of this rank on its node; None on CPU
 
     @property
@@ -46,9 +48,9 @@ CPU = ComputeDevice(type="cpu", backend="gloo")
 
 
 def choose_device(local_rank: int, cuda_available: bool) -> ComputeDevice:
-    """CUDA + NCCL on GPU `local_rank` when there is a GPU, else CPU + gloo."""
+    """CUDA on GPU `local_rank` (NCCL for its tensors, gloo for CPU ones) when there is a GPU, else CPU + gloo."""
     if cuda_available:
-        return ComputeDevice(type="cuda", backend="nccl", index=local_rank)
+        return ComputeDevice(type="cuda", backend="cpu:gloo,cuda:nccl", index=local_rank)
     return CPU
 
 
@@ -57,9 +59,19 @@ def device_from_environment() -> ComputeDevice:
 
 
 def activate(device: ComputeDevice) -> None:
-    """Binds this process to its GPU before the process group exists, so NCCL uses that GPU."""
+    """Binds this process to its GPU before anything touches CUDA, so NCCL, the caching allocator
+    and `torch.cuda`'s current-device calls all use this rank's GPU, not GPU 0 on every rank."""
     if device.type == "cuda":
         torch.cuda.set_device(device.torch_device)
+
+
+def make_deterministic() -> None:
+    """Kernels that give the same bits on every run (`train.deterministic`). cuBLAS reads its
+    workspace setting when CUDA first creates a handle, so this runs before the first matmul; an
+    operator's own setting stands."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def table_peak_flops(device_name: str) -> float | None:

@@ -18,6 +18,12 @@ holds (one all-reduce), so a rank killed during a snapshot costs one interval, n
 Snapshots are taken and read only by the same layout on the same world; a resized world resumes
 from disk.
 
+On a GPU the slot's buffer is registered with CUDA as pinned memory (`cudaHostRegister`), so the
+device-to-host copies are DMA transfers queued on the step's stream: the training thread goes on
+at once, and the kernels after them (the next step's) wait for them in stream order, so they
+copy this step's state. The slot's description is written once an event recorded after the
+copies has passed (`settle`, polled every step), so a snapshot counts only when it is whole.
+
 Besides the periodic snapshots, a rank whose collective fails (a peer died, or the agent killed
 a hung one) copies the state it still holds, that of the last step every rank finished, before
 it exits: just-in-time checkpointing (Gupta et al., EuroSys 2024). Where the state is replicated
@@ -80,7 +86,10 @@ class MemorySnapshots:
         self.parts = parts
         self.optimizers = optimizers
         self._buffers: dict[int, np.memmap] = {}
+        self._pinned: set[int] = set()  # slots whose buffer CUDA has registered as pinned
         self._next_slot = 0
+        # A snapshot whose copies from the GPU are queued: (the event after them, slot, its description).
+        self._pending: tuple[torch.cuda.Event, int, dict[str, Any]] | None = None
 
     # --- files ---------------------------------------------------------------------------------
 
@@ -110,24 +119,36 @@ class MemorySnapshots:
                         out.append(((p_index, i, key), value))
         return out
 
-    def _buffer(self, slot: int, size: int) -> np.memmap:
+    def _buffer(self, slot: int, size: int, pin: bool) -> np.memmap:
         held = self._buffers.get(slot)
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._data_file(slot)
         if held is None or held.size < size or not path.exists():
+            self._unpin(slot)
             # An earlier attempt's file of this slot is written over in place: its pages are in
             # memory already, where a new file's are faulted in by the first copy (3× the copy).
             # Its description was removed before this call, so nothing reads the old bytes.
             reuse = path.exists() and path.stat().st_size >= size
             held = np.memmap(path, dtype=np.uint8, mode="r+" if reuse else "w+", shape=(max(size, 1),))
             self._buffers[slot] = held
+        if pin and slot not in self._pinned:
+            # 0: cudaHostRegisterDefault. A refusal (a driver that will not pin shared memory)
+            # leaves the copies synchronous, as on a CPU, not failing.
+            if torch.cuda.cudart().cudaHostRegister(held.ctypes.data, held.nbytes, 0) == 0:
+                self._pinned.add(slot)
         return held
+
+    def _unpin(self, slot: int) -> None:
+        if slot in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._buffers[slot].ctypes.data)
+            self._pinned.discard(slot)
 
     # --- taking and reading --------------------------------------------------------------------
 
     def take(self, step: int, extra: dict[str, Any]) -> None:
         """Copies the state after optimizer step `step`, with `extra` (data position, RNG), into the
-        older slot."""
+        older slot; on a GPU the copies are queued and the snapshot counts once `settle` sees them done."""
+        self.settle()
         tensors = self._tensors()
         entries: list[_TensorEntry] = []
         offset = 0
@@ -139,28 +160,53 @@ class MemorySnapshots:
         slot = self._next_slot
         for old in self.folder.memory_snapshot_metas(self.rank, slot):
             old.unlink(missing_ok=True)  # from here on this slot is not a snapshot
-        buffer = self._buffer(slot, offset)
+        on_gpu = any(_local(tensor).is_cuda for _, tensor in tensors)
+        buffer = self._buffer(slot, offset, pin=on_gpu)
         whole = torch.from_numpy(buffer)
+        queued = slot in self._pinned
         for entry, (_, tensor) in zip(entries, tensors, strict=True):
             local = _local(tensor)
             nbytes = local.numel() * local.element_size()
             view = whole[entry.offset : entry.offset + nbytes].view(entry.dtype).view(entry.shape)
-            view.copy_(local.detach())
+            view.copy_(local.detach(), non_blocking=queued)
         meta = {"step": step, "identity": self.identity, "entries": entries, "extra": extra}
-        final = self.folder.memory_snapshot_meta(self.rank, slot, step)
+        self._next_slot = (slot + 1) % SLOTS
+        if queued:
+            copied = torch.cuda.Event()
+            copied.record()
+            self._pending = (copied, slot, meta)
+        else:
+            self._describe(slot, meta)
+
+    def settle(self, wait: bool = True) -> None:
+        """Describes the snapshot whose copies were queued, once they are done (waiting for them
+        unless `wait` is False: the trainer's poll after each step)."""
+        if self._pending is None:
+            return
+        copied, slot, meta = self._pending
+        if not wait and not copied.query():
+            return
+        copied.synchronize()
+        self._pending = None
+        self._describe(slot, meta)
+
+    def _describe(self, slot: int, meta: dict[str, Any]) -> None:
+        """From here on the slot is the snapshot of `meta`'s step (written atomically)."""
+        final = self.folder.memory_snapshot_meta(self.rank, slot, meta["step"])
         tmp = final.with_suffix(".tmp")
         with tmp.open("wb") as f:
             pickle.dump(meta, f)
         os.replace(tmp, final)
-        self._next_slot = (slot + 1) % SLOTS
 
     def steps(self) -> list[int]:
         """The steps this rank holds a whole snapshot of."""
+        self.settle()
         return sorted(meta["step"] for slot in range(SLOTS) if (meta := self._read_meta(slot)) is not None)
 
     def available(self) -> dict[int, int]:
         """step → the rank whose whole snapshot of it this rank can restore: its own, else a
         replica's on this host."""
+        self.settle()
         found: dict[int, int] = {}
         for rank in reversed(self.replicas):  # this rank's own last, so they win
             for slot in range(SLOTS):
@@ -210,4 +256,7 @@ class MemorySnapshots:
         return extra
 
     def close(self) -> None:
+        self.settle()
+        for slot in list(self._pinned):
+            self._unpin(slot)
         self._buffers.clear()

@@ -7,8 +7,9 @@ first, a vLLM replica loads its model: seconds to minutes on a busy machine) a c
 take it, and the listener fails with EADDRINUSE: a CI run saw a Slurm job's agent die so. These
 ports therefore come from ranges below the ephemeral one, which only an explicit bind ever
 takes; rendezvous ports from the range the scheduler gives runs on hosts
-(`FATHOM_RENDEZVOUS_PORT_MIN`..`MAX`), replica ports from `FATHOM_REPLICA_PORT_MIN`..`MAX`, so
-one firewall rule covers each.
+(`FATHOM_RENDEZVOUS_PORT_MIN`..`MAX`), replica ports from `FATHOM_REPLICA_PORT_MIN`..`MAX`, and
+the port of each attempt's rank 0 store (MASTER_PORT, which the node agent of group rank 0
+picks) from `RANK_STORE_PORTS`, so one firewall rule covers each.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 RENDEZVOUS_PORTS = range(29400, 30000)
 # Just below the rendezvous ports: a replica per port on a host.
 REPLICA_PORTS = range(28400, 29400)
+# Just below the replica ports: rank 0's store (MASTER_PORT) of each attempt of a run.
+RANK_STORE_PORTS = range(27400, 28400)
 
 
 def listen_port(ports: Sequence[int] = RENDEZVOUS_PORTS, host: str = "127.0.0.1") -> int:

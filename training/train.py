@@ -24,9 +24,10 @@ import numpy as np
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
+from training.collectives import init_default_group
 from training.config import RunSpec, SpecError
 from training.data import PreparedData, prepare_data
-from training.device import activate, device_from_environment
+from training.device import activate, device_from_environment, make_deterministic
 from training.hooks import build_hooks
 from training.pretrained import resolve as resolve_pretrained
 from training.rank_environment import (
@@ -137,10 +138,12 @@ def run(spec: RunSpec, run_dir: Path) -> int:
         )
     # Before the process group: tokenizing a large corpus may take longer than any collective timeout.
     data = prepare_checked(spec, run_dir)
-    device = device_from_environment()  # CUDA + NCCL on GPU LOCAL_RANK when there is one, else CPU + gloo
+    device = device_from_environment()  # GPU LOCAL_RANK when there is one, else the CPU
+    if spec.train.deterministic:
+        make_deterministic()
     activate(device)
     if world_size > 1:
-        dist.init_process_group(device.backend, timeout=COLLECTIVE_TIMEOUT)
+        init_default_group(device, COLLECTIVE_TIMEOUT)
     events = None
     if rank == 0:
         events = EventLog(Path(os.environ.get(EVENTS_FILE, RunDir(run_dir).events_file)))

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from training.checkpoint import Checkpointer, rng_state, set_rng_state
 from training.checkpoint_policy import CheckpointPolicy, SnapshotPolicy
+from training.collectives import agreed
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.device import CPU, ComputeDevice, device_peak_memory_mb, host_cache, peak_flops
@@ -383,14 +384,14 @@ class Trainer:
         if self.snapshots is None:
             return None
         held = self.snapshots.available()
-        newest = torch.tensor([max(held, default=-1)], dtype=torch.int64)
+        common = max(held, default=-1)
         if self.distributed:
-            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
-        common = int(newest.item())
-        everyone = torch.tensor([int(common in held)], dtype=torch.int64)
+            (newest,) = agreed([common], dist.ReduceOp.MIN, device=self.device.torch_device)
+            common = int(newest)
+        everyone = common in held
         if self.distributed:
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-        return (common, held[common]) if everyone.item() == 1 and common > newer_than else None
+            everyone = agreed([everyone], dist.ReduceOp.MIN, device=self.device.torch_device) == [1.0]
+        return (common, held[common]) if everyone and common > newer_than else None
 
     def resume(self) -> int:
         """Loads the newest state there is, if any: the ranks' in-memory snapshots when every rank
@@ -454,6 +455,7 @@ class Trainer:
             return
         try:
             self.snapshots.take(step, self._snapshot_extra(sampler, policy, at_failure=True))
+            self.snapshots.settle()  # the process exits next: its copies from the GPU must be done
         except Exception as exc:  # the failure is what matters; the periodic snapshots remain
             print(f"fathom: no snapshot at the failure: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             return
@@ -486,13 +488,15 @@ class Trainer:
         done = self.resume()
         snapshots = self.snapshots
         policy = CheckpointPolicy.for_run(
-            self.spec, first_step=done, distributed=self.distributed, memory_snapshots=snapshots is not None
-        )
+            self.spec, first_step=done, distributed=self.distributed, memory_snapshots=snapshots is not None,
+            device=self.device.torch_device,
+        )  # fmt: skip
         if self._resumed_policy is not None:
             policy.load_state_dict(self._resumed_policy)  # the disk plan goes on where the snapshot left it
         snapshot_policy = SnapshotPolicy(
-            first_step=done, failures=self._uncovered_failures, distributed=self.distributed
-        )
+            first_step=done, failures=self._uncovered_failures, distributed=self.distributed,
+            device=self.device.torch_device,
+        )  # fmt: skip
         self._held = (done, self.sampler.state_dict())
         for step in range(done + 1, cfg.steps + 1):
             try:
@@ -500,6 +504,8 @@ class Trainer:
                 if self.eval_due(step):
                     self.evaluate(step)  # before the save, so its checkpoint event carries the eval loss
                 self.checkpointer.poll()
+                if snapshots is not None:
+                    snapshots.settle(wait=False)  # a snapshot queued on the GPU counts once copied
                 if snapshots is not None and snapshot_policy.due(step):
                     started = time.perf_counter()
                     snapshots.take(step, self._snapshot_extra(self.sampler.state_dict(), policy, at_failure=False))

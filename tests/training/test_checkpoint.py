@@ -6,8 +6,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from tools.check_parity import launch, parity_spec, step_values
+from training import checkpoint
 from training.checkpoint import read_metadata, remove_uncommitted
 from training.config import DataConfig, RunSpec
 from training.rank_events import METRIC_KEYS
@@ -117,3 +120,36 @@ def test_a_checkpoint_from_four_ranks_resumes_on_two_ranks_in_another_layout(
     losses = step_values(resumed)
     assert sorted(losses) == [4, 5, 6]
     assert max(abs(losses[s] - whole[s]) for s in losses) <= 1e-4
+
+
+def test_where_a_stager_cannot_be_reused_each_background_save_gets_its_own_and_all_commit(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch 2.11.0's DefaultStager fails its second save (pytorch/pytorch#183413): GPU hosts run 2.11.
+    monkeypatch.setattr(checkpoint, "stager_is_reusable", lambda: False)
+    made: list[DefaultStager] = []
+    monkeypatch.setattr(checkpoint, "DefaultStager", lambda options: made.append(DefaultStager(options)) or made[-1])
+    spec = parity_spec(2)
+    spec.train.async_checkpoint = True
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    committed: list[int] = []
+    saver = checkpoint.Checkpointer(
+        run_dir=tmp_path, parts=[model], optimizers=[optimizer], spec=spec, tokenizer_dir=tokenizer_dir, rank=0,
+        hooks=[], on_commit=lambda step, _: committed.append(step),
+    )  # fmt: skip
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        saver.save(step, {"sampler": {"consumed": step}})
+        saver.wait()
+    saver.close()
+    assert committed == [1, 2, 3]
+    assert len(made) == 4  # the run's own, then one a save
+    restored = torch.nn.Linear(4, 4)
+    loader = checkpoint.Checkpointer(
+        run_dir=tmp_path, parts=[restored], optimizers=[torch.optim.AdamW(restored.parameters())], spec=spec,
+        tokenizer_dir=tokenizer_dir, rank=0, hooks=[],
+    )  # fmt: skip
+    loader.load(3)
+    assert torch.equal(restored.weight, torch.full((4, 4), 3.0))

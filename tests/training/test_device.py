@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from training.config import SpecError, TrainConfig
 from training.device import CPU, ComputeDevice, choose_device, device_from_environment, peak_flops, table_peak_flops
 
 
@@ -17,9 +22,9 @@ def test_without_a_gpu_a_rank_computes_on_the_cpu_with_gloo() -> None:
     assert (device.backend, device.torch_device) == ("gloo", torch.device("cpu"))
 
 
-def test_with_gpus_each_rank_takes_the_gpu_of_its_local_rank_with_nccl() -> None:
+def test_with_gpus_each_rank_takes_the_gpu_of_its_local_rank_with_nccl_for_cuda_tensors_and_gloo_for_cpu_ones() -> None:
     device = choose_device(local_rank=3, cuda_available=True)
-    assert device == ComputeDevice(type="cuda", backend="nccl", index=3)
+    assert device == ComputeDevice(type="cuda", backend="cpu:gloo,cuda:nccl", index=3)
     assert device.torch_device == torch.device("cuda", 3)
 
 
@@ -76,3 +81,18 @@ def test_a_new_run_takes_the_best_peak_measured_on_this_host_and_raises_it(tmp_p
     best.write_text(json.dumps({"flops": 1.0}))
     third = peak_flops(CPU, "fp32", tmp_path / "third-run", host)
     assert third > 1.0 and json.loads(best.read_text()) == {"flops": third}
+
+
+def test_a_deterministic_run_turns_on_torchs_deterministic_kernels_and_cublas_fixed_workspace() -> None:
+    probe = (
+        "import os, torch; from training.device import make_deterministic; make_deterministic(); "
+        "print(torch.are_deterministic_algorithms_enabled(), os.environ['CUBLAS_WORKSPACE_CONFIG'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    assert shown.stdout.split() == ["True", ":4096:8"]
+
+
+def test_train_deterministic_must_be_a_boolean_naming_the_field() -> None:
+    with pytest.raises(SpecError, match=r"train\.deterministic.*must be true or false; got 1"):
+        TrainConfig(deterministic=1)  # type: ignore[arg-type]

@@ -47,8 +47,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
+from torch.distributed import Store
 from torch.distributed.elastic.agent.server.api import (
     RunResult,
     SimpleElasticAgent,
@@ -76,7 +77,7 @@ from training.agent.watchdog import RankFailure, Watchdog, WatchdogConfig
 from training.checkpoint_storage import latest_committed_step
 from training.config import NodePlan
 from training.heartbeat import STACK_DUMP_SIGNAL, read_beat
-from training.ports import listen_port
+from training.ports import RANK_STORE_PORTS, listen_port
 from training.rank_environment import RankEnvironment, RankError
 from training.run_dir import NodeDir, RunDir
 
@@ -192,6 +193,7 @@ class NodeAgent(SimpleElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
+        worker_group.master_port = _agreed_master_port(worker_group)  # type: ignore[assignment]  # torch: None until set
         self._attempt = _rendezvous_round(worker_group.spec, fallback=self._restarts)
         nodes = int(worker_group.group_world_size or 0)
         if self._nodes is not None and nodes < self._nodes:
@@ -202,7 +204,8 @@ class NodeAgent(SimpleElasticAgent):
             {
                 "round": self._attempt,  # the job-wide restart count; ranks see it as FATHOM_ATTEMPT
                 "node": self.config.node_rank,
-                "host": socket.gethostname(),
+                # The Fathom host's name, which the pages know it by; a Slurm node's hostname.
+                "host": os.environ.get("FATHOM_HOST_NAME") or socket.gethostname(),
                 "group_rank": worker_group.group_rank,
                 "nodes": nodes,
                 "world_size": worker_group.workers[0].world_size,
@@ -481,6 +484,22 @@ class NodeAgent(SimpleElasticAgent):
         self._initialize_workers(self._worker_group)
 
 
+def _agreed_master_port(group: WorkerGroup) -> int:
+    """The port rank 0's store listens on this attempt (MASTER_PORT), the same on every node.
+
+    torch's pick is a port of the kernel's ephemeral range, closed again until rank 0 binds it
+    once it has imported torch, seconds later on a busy host; an outgoing connection can take
+    it meanwhile, and rank 0 then fails (a loaded CI run restarted an attempt so). Group rank
+    0's agent picks one below that range instead (training/ports.py) and puts it in this
+    round's store, where the other agents read it.
+    """
+    key = "fathom/rank_store_port"
+    store = cast(Store, group.store)  # the round's store, which the rendezvous just set
+    if group.group_rank == 0:
+        store.set(key, str(listen_port(RANK_STORE_PORTS, host="")))
+    return int(store.get(key))
+
+
 def _rendezvous_round(worker_spec: WorkerSpec, fallback: int) -> int:
     """The rendezvous round: the same on every node and +1 for each group restart of the job.
 
@@ -660,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         "agent_started",
         {
             "node": config.node_rank,
-            "host": socket.gethostname(),
+            "host": os.environ.get("FATHOM_HOST_NAME") or socket.gethostname(),  # as in rendezvous
             "pid": os.getpid(),
             "nproc": plan.nproc_per_node,
             "nodes": {"min": plan.nodes.min, "max": plan.nodes.max},

@@ -88,7 +88,9 @@ def parallelize(
     grad_sync = None
     if dims.replicate_enabled:
         assert mesh is not None
-        grad_sync = apply_replicate(list(parts), mesh["dp"].get_group(), batch_shape(spec).backward_passes)
+        grad_sync = apply_replicate(
+            list(parts), mesh["dp"].get_group(), batch_shape(spec).backward_passes, spec.layout.overlap_grad_reduce
+        )
     schedule = None
     if dims.pp > 1:
         assert mesh is not None

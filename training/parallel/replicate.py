@@ -9,6 +9,10 @@ A parameter's gradient is complete only after its last accumulation of the step:
 micro-batch of a pipeline schedule and per gradient-accumulation pass. The hook counts them, so
 the reduction starts exactly when the last contribution has landed, whatever the schedule.
 
+With `overlap=False` (`layout.overlap_grad_reduce: false`) every bucket is reduced in `finish()`,
+after backward: the step then pays the whole reduction on top of compute, which is what a
+profile without overlap should show, and what the planner prices.
+
 With tensor parallelism the parameters are DTensors; their local shards are reduced over dp only.
 """
 
@@ -40,7 +44,7 @@ class _Bucket:
 
 
 class GradientAllReduce:
-    """Averages gradients over `group`, overlapping the reduction with backward."""
+    """Averages gradients over `group`, overlapping the reduction with backward unless told not to."""
 
     def __init__(
         self,
@@ -48,8 +52,10 @@ class GradientAllReduce:
         group: dist.ProcessGroup,
         accumulations_per_step: int,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
     ) -> None:
         self.group = group
+        self.overlap = overlap
         self.size = dist.get_world_size(group)
         self.accumulations_per_step = accumulations_per_step
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
@@ -85,7 +91,7 @@ class GradientAllReduce:
             return
         bucket = self._bucket_of[key]
         bucket.pending -= 1
-        if bucket.pending == 0:
+        if bucket.pending == 0 and self.overlap:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -100,7 +106,7 @@ class GradientAllReduce:
     def finish(self) -> None:
         """Waits for every reduction and leaves each parameter's .grad the dp average."""
         for bucket in self.buckets:
-            if bucket.work is None:  # a parameter got no gradient this step (unused): reduce now
+            if bucket.work is None:  # not overlapped, or a parameter got no gradient this step (unused)
                 self._launch(bucket)
             assert bucket.work is not None and bucket.flat is not None
             bucket.work.wait()
@@ -114,6 +120,6 @@ class GradientAllReduce:
 
 
 def apply_replicate(
-    modules: list[nn.Module], dp_group: dist.ProcessGroup, accumulations_per_step: int
+    modules: list[nn.Module], dp_group: dist.ProcessGroup, accumulations_per_step: int, overlap: bool = True
 ) -> GradientAllReduce:
-    return GradientAllReduce(modules, dp_group, accumulations_per_step)
+    return GradientAllReduce(modules, dp_group, accumulations_per_step, overlap=overlap)

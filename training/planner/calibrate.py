@@ -48,7 +48,8 @@ def matmul_peak(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> floa
 def _rank(rank: int, world: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(1)
+    # This measures a CPU host's links: gloo over CPU tensors, whatever GPUs the host may have.
+    big, small = torch.ones(PAYLOAD_BYTES // 4, device="cpu"), torch.ones(1, device="cpu")
     dist.all_reduce(big)  # connect and warm up
     times, lat = [], []
     for _ in range(REPEATS):
