@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.waiting import answers, stop_all, wait
+from bench.netns_cluster import control_plane_on_postgres, netns_cluster
+from bench.waiting import wait
 
-REPO = Path(__file__).resolve().parents[1]
 DATABASE = "fathom_bench_placement"
 HOSTS, RUNS = 1000, 10000
 REPEATS = 3
-JOIN_TOKEN = "bench-join-token"
 TRAIN = {"steps": 3, "warmup_steps": 1, "checkpoint_interval": 3}
 SHAPES = {
     "single_host": {"layout": {"dp": 2}, "train": TRAIN},
@@ -45,106 +40,45 @@ SHAPES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def submit_to_first_step(database_url: str, data_dir: Path) -> dict[str, float]:
     """Median seconds from submit to the first step, per shape, on two namespace hosts."""
     import httpx
     from rest_framework.authtoken.models import Token
 
-    from controlplane.web import web_command
-    from hosts.models import Host
     from runs.models import Run, RunEvent
-    from tools import netns
 
     token = Token.objects.get_or_create(user=Run._meta.get_field("owner").related_model.objects.get(username="bench"))[
         0
     ].key
-    logs = data_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen[bytes]] = []
-    with netns.network() as net:
-        bridge = net.bridge_address
-        broker_port = free_port()
-        broker = netns.Broker(bridge, broker_port, logs / "redis.log")
-        broker.start()
-        url = f"http://{bridge}:{free_port()}"
-        env = dict(
-            os.environ, DATABASE_URL=database_url, FATHOM_DATA_DIR=str(data_dir), OMP_NUM_THREADS="1",
-            CELERY_BROKER_URL=f"redis://{bridge}:{broker_port}/0", ALLOWED_HOSTS=bridge,
-            FATHOM_JOIN_TOKEN=JOIN_TOKEN, FATHOM_PUBLIC_URL=url, FATHOM_SCHEDULE_INTERVAL="1",
-        )  # fmt: skip
-
-        def start(name: str, command: list[str], cwd: Path, **extra: str) -> None:
-            with (logs / f"{name}.log").open("ab") as out:
-                processes.append(
-                    subprocess.Popen(command, cwd=cwd, env={**env, **extra}, stdout=out, stderr=subprocess.STDOUT)
-                )
-
-        try:
-            start("web", web_command(int(url.rsplit(":", 1)[1]), bridge), REPO / "platform")
-            wait(lambda: answers(f"{url}/login/"), 60, "the web process")
-            start("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-B", "--pool=threads",
-                             "--concurrency=4", "--schedule", str(logs / "beat-schedule"), "--without-gossip",
-                             "--without-mingle", "--without-heartbeat"], REPO / "platform")  # fmt: skip
-            for index in range(2):
-                namespace = net.add_namespace()
-                start(f"host{index}", ["ip", "netns", "exec", namespace, sys.executable, "-m", "hostworker"], REPO,
-                      FATHOM_HOST_NAME=f"h{index}", FATHOM_HOST_CPU_SLOTS="2")  # fmt: skip
-            wait(lambda: Host.objects.filter(status="ready").count() == 2, 120, "two ready hosts")
-            api = httpx.Client(base_url=url, headers={"Authorization": f"Token {token}"}, timeout=60)
-            seconds: dict[str, list[float]] = {shape: [] for shape in SHAPES}
-            for attempt in range(REPEATS):
-                for shape, spec in SHAPES.items():
-                    submitted = time.time()
-                    run_id = api.post("/api/runs/", json={"name": f"{shape}-{attempt}", "spec": spec}).json()["id"]
-                    first = wait(
-                        lambda run_id=run_id: RunEvent.objects.filter(run_id=run_id, kind="metrics").order_by("seq").first(),
-                        300, "first step",
-                    )  # fmt: skip
-                    seconds[shape].append(first.time.timestamp() - submitted)
-                    wait(lambda run_id=run_id: Run.objects.get(pk=run_id).status in Run.FINISHED, 300, "the run's end")
-                    print(f"{shape} attempt {attempt}: first step {seconds[shape][-1]:.2f} s after submit")
-            return {shape: statistics.median(values) for shape, values in seconds.items()}
-        finally:
-            stop_all(processes)
-            broker.stop()
-
-
-def fresh_database() -> str:
-    import psycopg
-
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DATABASE}")
-    return f"postgres://postgres@127.0.0.1:5432/{DATABASE}"
+    with netns_cluster(database_url, data_dir, FATHOM_SCHEDULE_INTERVAL="1") as cluster:
+        api = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Token {token}"}, timeout=60)
+        seconds: dict[str, list[float]] = {shape: [] for shape in SHAPES}
+        for attempt in range(REPEATS):
+            for shape, spec in SHAPES.items():
+                submitted = time.time()
+                run_id = api.post("/api/runs/", json={"name": f"{shape}-{attempt}", "spec": spec}).json()["id"]
+                first = wait(
+                    lambda run_id=run_id: RunEvent.objects.filter(run_id=run_id, kind="metrics").order_by("seq").first(),
+                    300, "first step",
+                )  # fmt: skip
+                seconds[shape].append(first.time.timestamp() - submitted)
+                wait(lambda run_id=run_id: Run.objects.get(pk=run_id).status in Run.FINISHED, 300, "the run's end")
+                print(f"{shape} attempt {attempt}: first step {seconds[shape][-1]:.2f} s after submit")
+        return {shape: statistics.median(values) for shape, values in seconds.items()}
 
 
 def main() -> None:
-    os.environ["DATABASE_URL"] = fresh_database()
-    os.environ.setdefault("FATHOM_DATA_DIR", tempfile.mkdtemp(prefix="fathom-bench-placement-"))
-    for folder in (str(REPO), str(REPO / "platform")):
-        sys.path.insert(0, folder)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    import django
-
-    django.setup()
+    data_dir = control_plane_on_postgres(DATABASE, "fathom-bench-placement-")
     from django.contrib.auth import get_user_model
-    from django.core.management import call_command
     from django.db import connection
 
     from hosts.models import DeviceClaim, Host
     from hosts.scheduling import schedule
     from runs.models import Run
 
-    call_command("migrate", verbosity=0)
     rng = random.Random(15)
     user = get_user_model().objects.create(username="bench")
-    first_step = submit_to_first_step(os.environ["DATABASE_URL"], Path(os.environ["FATHOM_DATA_DIR"]))
+    first_step = submit_to_first_step(os.environ["DATABASE_URL"], data_dir)
     print(
         f"submit to first step (median of {REPEATS}): one host {first_step['single_host']:.2f} s, "
         f"two hosts {first_step['two_hosts']:.2f} s"

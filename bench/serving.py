@@ -56,11 +56,11 @@ import httpx
 import uvloop
 
 from bench.stream_client import Stream, request_bytes, stream
+from bench.waiting import free_port
 from serving.state import read_state
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
 from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 from serving.vllm import ReplicaOptions
-from training.ports import REPLICA_PORTS, listen_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # hidden 256 x 4 layers (~4M parameters): the model TORCH-ON-CPU.md measured vLLM on.
@@ -90,11 +90,6 @@ def _vllm_python() -> str:
         return given
     out = subprocess.run(["bash", str(ROOT / "tools" / "vllm_env.sh")], check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
-
-
-def free_port() -> int:
-    """A port for the web process, router or proxy: below the ephemeral range and the replicas'."""
-    return listen_port(range(20000, REPLICA_PORTS.start))
 
 
 def _wait(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]

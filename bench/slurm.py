@@ -24,7 +24,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench.waiting import answers, stop_all, wait
+from bench.waiting import answers, free_port, stop_all, wait
 
 REPO = Path(__file__).resolve().parents[1]
 REPEATS = 3
@@ -113,11 +113,6 @@ def main() -> None:
     cluster.start()
     try:
         base = dict(os.environ, OMP_NUM_THREADS="1", FATHOM_JOIN_TOKEN=JOIN_TOKEN, FATHOM_SCHEDULE_INTERVAL="1")
-        from training.ports import REPLICA_PORTS, listen_port
-
-        def free_port() -> int:  # below the ephemeral range and the replicas'
-            return listen_port(range(20000, REPLICA_PORTS.start))
-
         slurm_env = {**base, **cluster.env(), "FATHOM_EXECUTOR": "slurm", "FATHOM_SLURM_POLL_INTERVAL": "1",
                      "FATHOM_PUBLIC_URL": f"http://127.0.0.1:{free_port()}"}  # fmt: skip
         slurm = measure("slurm", slurm_env, logs, token)

@@ -17,6 +17,15 @@ def wait(predicate: Any, timeout: float, what: str) -> Any:
     raise TimeoutError(f"no {what} within {timeout} s")
 
 
+def free_port() -> int:
+    """A port for a server the bench starts (web process, broker, router, proxy): free now, and
+    below the ephemeral range and the product's rank-store, replica and rendezvous ranges
+    (training/ports.py), so no connection of the busy bench takes it before the server binds it."""
+    from training.ports import RANK_STORE_PORTS, listen_port
+
+    return listen_port(range(20000, RANK_STORE_PORTS.start))
+
+
 def answers(url: str) -> bool:
     """Whether something answers HTTP at `url` (any status)."""
     import httpx

@@ -8,6 +8,7 @@ import os
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from hostworker.config import HostConfig
@@ -21,22 +22,47 @@ class JoinRefused(RuntimeError):
     pass
 
 
+def secret_file(config: HostConfig) -> Path:
+    """The secret the control plane gave this host when it joined, kept with the host's own state."""
+    return config.state_dir / "host_secret"
+
+
 def send(config: HostConfig, body: dict[str, Any]) -> dict[str, Any]:
+    """One beat, with the host's own secret once it has one, else the cluster's join token (a
+    join, whose answer carries the secret, kept for every later beat). A secret the control plane
+    no longer knows (staff removed the host) is dropped, and the host joins again at once."""
+    kept = secret_file(config)
+    secret = kept.read_text().strip() if kept.exists() else ""
+    try:
+        answer = _post(config, body, secret or config.join_token)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        if exc.code == 401 and secret:
+            log.warning("host %s: the control plane no longer knows its secret; joining again", config.name)
+            kept.unlink(missing_ok=True)
+            return send(config, body)
+        if exc.code in (400, 401, 403):
+            raise JoinRefused(f"the control plane refused host {config.name}: {detail}") from None
+        raise
+    if "host_secret" in answer:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_name(kept.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:  # the owner's only
+            f.write(str(answer.pop("host_secret")))
+        tmp.replace(kept)
+    return answer
+
+
+def _post(config: HostConfig, body: dict[str, Any], token: str) -> dict[str, Any]:
     request = urllib.request.Request(
         f"{config.control_url}/api/hosts/heartbeat/",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {config.join_token}"},
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
         method="POST",
     )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return dict(json.loads(answer.read()))
-    except urllib.error.HTTPError as exc:
-        if exc.code in (400, 401):
-            raise JoinRefused(
-                f"the control plane refused host {config.name}: {exc.read().decode(errors='replace')}"
-            ) from None
-        raise
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return dict(json.loads(answer.read()))
 
 
 class Heartbeat:

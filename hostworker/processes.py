@@ -103,6 +103,7 @@ class Processes:
     def environment(self, devices: list[int], device_kind: str) -> dict[str, str]:
         env = dict(os.environ, PYTHONPATH=str(REPO_DIR), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env.pop("FATHOM_JOIN_TOKEN", None)  # the cluster's secret stays with the host worker
+        env["FATHOM_HOST_NAME"] = self.config.name  # what an agent calls its host in its events
         if device_kind == "gpu":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         else:
@@ -114,7 +115,11 @@ class Processes:
                 # A rank or replica computes on its slot's cores, unless the operator chose a count.
                 env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(len(per_slot[0])))
         if not self.config.address.startswith("127.") and (interface := interface_of(self.config.address)):
+            # The interface the other hosts reach this one on, for gloo's sockets and NCCL's
+            # bootstrap and socket transport; an operator's NCCL choice (an interface facing the
+            # GPU fabric, a "^docker" exclusion) stands.
             env["GLOO_SOCKET_IFNAME"] = interface
+            env.setdefault("NCCL_SOCKET_IFNAME", interface)
         return env
 
     def slot_cores(self, slots: list[int]) -> list[list[int]]:

@@ -28,7 +28,7 @@ from serving.state import SHIPPED_APPENDED, SHIPPED_STATE, DeploymentDir
 @dataclass(kw_only=True, frozen=True)
 class ShipperConfig:
     url: str  # the control plane's endpoint for this deployment
-    token: str  # the deployment's supervisor token
+    token: str  # the deployment's supervisor token for this host
     host: str  # this host's name: the control plane keeps its copy under hosts/<host>/
     folder: DeploymentDir  # this supervisor's folder on this host
     # The state's changes reach routers within about this; the supervisor rewrites it every

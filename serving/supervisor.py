@@ -132,7 +132,7 @@ class DeploymentConfig:
     # however it ended. None: it runs until asked to stop (a deployment's).
     owner_pid: int | None = None
     # A supervisor on a host ships its folder to the control plane (serving.shipper): the
-    # endpoint, the deployment's supervisor token, and this host's name. Empty: it ships nothing
+    # endpoint, the deployment's supervisor token for this host, and this host's name. Empty: it ships nothing
     # (on the control plane's machine the folder is already the control plane's).
     ship_url: str = ""
     ship_token: str = ""

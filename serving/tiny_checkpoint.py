@@ -14,6 +14,7 @@ Development helper: torch and transformers are imported inside `build_tiny_llama
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -67,22 +68,25 @@ def generated_text(n_sentences: int, seed: int) -> list[str]:
 
 def build_tiny_llama(out_dir: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
     """Write the checkpoint to `out_dir` (atomically: a crash leaves no half checkpoint) and return
-    it. An existing checkpoint built from the same spec is reused."""
+    it. An existing checkpoint built from the same spec is reused; processes that ask for it at
+    once (the test suite's workers) build it once, the others wait for it."""
     out_dir = Path(out_dir)
     stamp = out_dir / "fathom-tiny-llama.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
-        return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    work.chmod(0o755)  # mkdtemp makes it private; a replica may run as another user
-    try:
-        _write_checkpoint(work, spec)
-        (work / stamp.name).write_text(json.dumps(asdict(spec)))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(work, out_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with (out_dir.parent / f".{out_dir.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
+            return out_dir
+        work = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+        work.chmod(0o755)  # mkdtemp makes it private; a replica may run as another user
+        try:
+            _write_checkpoint(work, spec)
+            (work / stamp.name).write_text(json.dumps(asdict(spec)))
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.rename(work, out_dir)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return out_dir
 
 

@@ -51,16 +51,32 @@ class Network:
         ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
         return name
 
+    def pids_in(self, name: str) -> list[int]:
+        """The processes in namespace `name`."""
+        listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout
+        return [int(pid) for pid in listed.split()]
+
+    def commands_in(self, name: str) -> dict[int, list[str]]:
+        """The command line of each process in namespace `name` (those that end meanwhile left out)."""
+        commands = {}
+        for pid in self.pids_in(name):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            commands[pid] = [arg for arg in argv if arg]
+        return commands
+
     def kill_everything_in(self, name: str) -> int:
         """SIGKILL to every process in namespace `name` (agents and ranks run in sessions of
         their own, so stopping the host worker does not end them); returns how many."""
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout
-        for pid in pids.split():
+        pids = self.pids_in(name)
+        for pid in pids:
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        return len(pids.split())
+        return len(pids)
 
     def teardown(self) -> None:
         for name in self.namespaces:

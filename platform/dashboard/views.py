@@ -42,7 +42,10 @@ def runs_page(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def hosts_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/hosts.html", {"lost_after": int(settings.HOST_LOST_AFTER_SECONDS)})
+    return render(
+        request, "dashboard/hosts.html",
+        {"lost_after": int(settings.HOST_LOST_AFTER_SECONDS), "staff": request.user.is_staff},
+    )  # fmt: skip
 
 
 @login_required

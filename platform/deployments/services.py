@@ -16,7 +16,6 @@ from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
 from deployments.models import ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
-from hosts.models import DeviceClaim
 from notifications.services import DEPLOYMENT_EVENTS, notify_on_commit
 from runs import exports, quantized
 from runs.models import Checkpoint, QuantizedExport
@@ -128,9 +127,15 @@ def do_create_deployment(
 
 
 def do_stop_deployment(deployment: Deployment) -> Deployment:
+    """Stops what runs of an active deployment, or of a failed one (a replica on a host that
+    survived the failure). Its devices go back once the hosts no longer run it
+    (`scheduling.release_ended_claims`)."""
+    stoppable = [*Deployment.ACTIVE, Deployment.Status.FAILED]
     with transaction.atomic():
-        if not do_set_status(deployment, Deployment.Status.STOPPING, only_from=Deployment.ACTIVE, event="stopping"):
-            raise WrongState("status", f"only active deployments can be stopped; this one is {deployment.status}")
+        if not do_set_status(deployment, Deployment.Status.STOPPING, only_from=stoppable, event="stopping"):
+            raise WrongState(
+                "status", f"only active or failed deployments can be stopped; this one is {deployment.status}"
+            )
         enqueue_on_commit("deployments.tasks.stop_deployment", deployment.pk)
     return deployment
 
@@ -153,9 +158,6 @@ def do_set_status(
     with transaction.atomic():
         if not Deployment.objects.filter(pk=deployment.pk, status__in=list(only_from)).update(**changes):
             return False
-        if status in (Deployment.Status.STOPPED, Deployment.Status.FAILED):
-            # Its replicas' devices go back to the cluster.
-            DeviceClaim.objects.filter(deployment=deployment).delete()
         if event is not None:
             do_record(deployment, event, data or {})
         if status in DEPLOYMENT_EVENTS:

@@ -10,7 +10,7 @@ from django.utils.crypto import salted_hmac
 
 from controlplane.exceptions import InvalidInput
 from deployments.models import Deployment
-from hosts.models import Host
+from hosts.models import DeviceClaim, Host
 from runs.logs import append_past
 from serving.state import SHIPPED_APPENDED, SHIPPED_STATE, DeploymentDir, DeploymentState, write_atomic
 
@@ -18,18 +18,27 @@ from serving.state import SHIPPED_APPENDED, SHIPPED_STATE, DeploymentDir, Deploy
 MAX_PIECE_BYTES = 1024 * 1024
 
 
-def supervisor_token(deployment_id: int) -> str:
-    """The bearer token of the deployment's supervisors: derived from our secret key, so nothing
-    is stored and no other deployment's token can be made from it."""
-    return salted_hmac("fathom.deployments.supervisor-token", str(deployment_id)).hexdigest()
+def supervisor_token(deployment_id: int, host: str) -> str:
+    """The bearer token of the deployment's supervisor on `host`: derived from our secret key, so
+    nothing is stored, and neither another deployment's token nor another host's can be made
+    from it (no host speaks for another)."""
+    return salted_hmac("fathom.deployments.supervisor-token", f"{deployment_id}@{host}").hexdigest()
 
 
-def deployment_of_token(deployment_id: int, authorization: str) -> Deployment | None:
-    """The deployment whose supervisor token the Authorization header carries; None otherwise."""
+def deployment_of_token(deployment_id: int, host: str, authorization: str) -> Deployment | None:
+    """The deployment whose supervisor token for `host` the Authorization header carries; None
+    otherwise."""
     token = authorization.removeprefix("Bearer ").strip() if authorization.startswith("Bearer ") else ""
-    if not token or not hmac.compare_digest(token, supervisor_token(deployment_id)):
+    if not token or not hmac.compare_digest(token, supervisor_token(deployment_id, host)):
         return None
     return Deployment.objects.filter(pk=deployment_id).first()
+
+
+def holds_devices(deployment: Deployment, host: str) -> bool:
+    """Whether the deployment holds devices on `host`. A supervisor that ran on while its host
+    was lost holds none there (its replicas were taken out, and may run elsewhere now): what it
+    ships would route requests to a replica that is being stopped, so it is refused."""
+    return DeviceClaim.objects.filter(deployment=deployment, host__name=host).exists()
 
 
 def copy_of(deployment: Deployment, host: str) -> DeploymentDir:

@@ -24,11 +24,11 @@ from deployments import services, shipped
 from deployments.models import Deployment, Replica
 from deployments.options import device, host_refusal, stored_options
 from hosts import capacity, scheduling
-from hosts.models import Host
+from hosts.models import DeviceClaim, Host
 from runs import exports
 from runs.launcher import HOST_FOLDER, send_to_host
 from serving import metrics as replica_metrics
-from serving.state import DeploymentDir, read_events, read_state, supervisor_dirs
+from serving.state import DeploymentDir, DeploymentState, read_events, read_state, supervisor_dirs, write_state
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
 from serving.vllm import replica_dtype
 
@@ -92,22 +92,32 @@ def start(deployment: Deployment) -> int | None:
     return launch_detached(config, python=sys.executable)
 
 
-def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
+def _place(deployment: Deployment, replicas: int, first_replica: int = 0) -> list[scheduling.ReplicaGroup] | str:
     options = stored_options(deployment.options)
-    kind = "gpu" if options.device == "cuda" else "cpu"
-    placement = scheduling.place_deployment(
-        deployment.pk, deployment.replicas, kind, options.tensor_parallel_size, refusal=lambda host: host_refusal(options, host)
-    )
+    return scheduling.place_deployment(
+        deployment.pk, replicas, "gpu" if options.device == "cuda" else "cpu", options.tensor_parallel_size,
+        refusal=lambda host: host_refusal(options, host), first_replica=first_replica,
+    )  # fmt: skip
+
+
+def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
+    placement = _place(deployment, deployment.replicas)
     if isinstance(placement, str):
         raise RuntimeError(placement)
-    configs = [(group, config_for(deployment, export_path, group)) for group in placement]
     with transaction.atomic():
         for index in range(deployment.replicas):
             Replica.objects.get_or_create(deployment=deployment, index=index)
-        services.do_record(deployment, "placed", {"hosts": [
-            {"host": g.host.name, "address": g.host.address, "devices": g.devices, "replicas": g.replicas}
-            for g, _ in configs
-        ]})  # fmt: skip
+        services.do_record(deployment, "placed", {"hosts": _placed(placement)})
+    _send_starts(deployment, export_path, placement)
+
+
+def _placed(groups: list[scheduling.ReplicaGroup]) -> list[dict[str, Any]]:
+    return [{"host": g.host.name, "address": g.host.address, "devices": g.devices, "replicas": g.replicas} for g in groups]
+
+
+def _send_starts(deployment: Deployment, export_path: str, groups: list[scheduling.ReplicaGroup]) -> None:
+    kind = "gpu" if stored_options(deployment.options).device == "cuda" else "cpu"
+    configs = [(group, config_for(deployment, export_path, group)) for group in groups]
     # Each host keeps its supervisor's folder under its own data folder (where HOST_FOLDER
     # stands) and gets the config with the start; the supervisor ships state, events and logs
     # to our copy, DEPLOY_DIR/hosts/<host>/ (deployments.shipped), which every reader reads.
@@ -116,7 +126,7 @@ def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
         relative = DeploymentDir(deployment.folder).on_host(group.host.name).path.relative_to(settings.DATA_DIR)
         shipping = dataclasses.replace(
             config, state_dir=HOST_FOLDER, ship_url=f"{settings.PUBLIC_URL}/api/deployments/{deployment.pk}/shipped/",
-            ship_token=shipped.supervisor_token(deployment.pk), ship_host=group.host.name,
+            ship_token=shipped.supervisor_token(deployment.pk, group.host.name), ship_host=group.host.name,
         )  # fmt: skip
         send_to_host(group.host, "start_process", {
             "key": supervisor_key(deployment), "module": "serving.supervisor",
@@ -124,6 +134,84 @@ def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
             "log": str(host_dir.supervisor_log), "devices": group.devices, "device_kind": kind,
             "folder": str(relative), "files": {host_dir.config_file.name: json.dumps(shipping.to_dict(), indent=2)},
         })  # fmt: skip
+
+
+def lose_hosts(deployment: Deployment) -> bool:
+    """The deployment's replicas on lost hosts went with them: their devices go back (a lost host
+    that returns gets nothing new while what still runs there of them is stopped,
+    `scheduling.orphans_on`), their rows are dead, and the control plane's copy of those hosts'
+    state no longer routes to them. The deployment serves on with the replicas left, degraded,
+    until `place_missing` has placed the lost ones again; with none left, it fails. Either way its
+    reason names the hosts. True when it failed."""
+    serving = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
+    with transaction.atomic():
+        lost = list(
+            DeviceClaim.objects.select_for_update(of=("self",)).filter(deployment=deployment, host__status=Host.Status.LOST)
+        )
+        if not lost:
+            return False
+        hosts = sorted(set(Host.objects.filter(pk__in={c.host_id for c in lost}).values_list("name", flat=True)))
+        replicas = sorted({c.node for c in lost})
+        DeviceClaim.objects.filter(pk__in=[c.pk for c in lost]).delete()
+        Replica.objects.filter(deployment=deployment, index__in=replicas).update(
+            status=Replica.Status.DEAD, url="", updated_at=timezone.now()
+        )
+        for name in hosts:
+            _forget_replicas(DeploymentDir(deployment.folder).on_host(name))
+        word = "replica" if len(replicas) == 1 else "replicas"
+        reason = f"host {', '.join(hosts)} was lost with {word} {', '.join(map(str, replicas))}"
+        data = {"hosts": hosts, "replicas": replicas, "reason": reason}
+        if DeviceClaim.objects.filter(deployment=deployment).exists():
+            services.do_set_status(
+                deployment, Deployment.Status.DEGRADED, only_from=serving, reason=reason, event="host_lost", data=data
+            )
+            return False
+        return services.do_set_status(
+            deployment, Deployment.Status.FAILED, only_from=serving, reason=reason, event="failed", data=data
+        )
+
+
+def _forget_replicas(folder: DeploymentDir) -> None:
+    """Marks every replica of a lost host's supervisor failed, without an address, in our copy of
+    its state: routers and `sync` read that copy, and the host answers no more."""
+    try:
+        state = DeploymentState.from_dict(json.loads(folder.state_file.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for replica in state.replicas:
+        replica.phase, replica.url = "failed", None
+    write_state(folder, state)
+
+
+def place_missing(deployment: Deployment) -> list[int]:
+    """Places again the replicas of a degraded deployment that hold no device (their host was
+    lost), on ready hosts that have room and run none of its replicas, and starts their
+    supervisors; returns the replicas placed. Those that do not fit wait for the next call."""
+    if not capacity.cluster_exists():
+        return []  # one machine: its supervisor restarts its replicas itself
+    held = set(DeviceClaim.objects.filter(deployment=deployment).values_list("node", flat=True))
+    missing = [i for i in range(deployment.replicas) if i not in held]
+    placed: list[int] = []
+    # A host's replicas are numbered consecutively: each run of missing indexes is placed as one.
+    for block in _runs_of(missing):
+        groups = _place(deployment, len(block), first_replica=block[0])
+        if isinstance(groups, str):
+            continue
+        export_path = deployment.quantized_export.path if deployment.quantized_export else exports.export(deployment.checkpoint)
+        services.do_record(deployment, "placed", {"hosts": _placed(groups), "again": block})
+        _send_starts(deployment, export_path, groups)
+        placed += block
+    return placed
+
+
+def _runs_of(indexes: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for i in indexes:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def stop(deployment: Deployment, timeout: float = 120.0) -> None:
@@ -169,15 +257,18 @@ def sync(deployment: Deployment) -> None:
             events += new_events
         state = read_state(deployment.folder)
         if state is not None:
-            mirror_replicas(deployment, state.replicas)
-            ready = state.routable()
+            # On hosts, a replica counts only while it holds its devices: one of a host lost and
+            # back may report itself ready until its orphaned supervisor is stopped.
+            replicas = _current(deployment, state.replicas)
+            mirror_replicas(deployment, replicas)
+            ready = [r for r in state.routable() if any(r is current for current in replicas)]
         for event in events:
             services.do_record(deployment, event.kind, {k: v for k, v in event.to_dict().items() if k not in ("kind", "at")})
         if events:
             Deployment.objects.filter(pk=deployment.pk).update(event_offsets=offsets)
         if state is not None and not state.stopping:
             new_status = (
-                Deployment.Status.READY if len(ready) == len(state.replicas)
+                Deployment.Status.READY if len(ready) == deployment.replicas
                 else Deployment.Status.DEGRADED if ready and deployment.status != Deployment.Status.STARTING
                 else None
             )
@@ -193,6 +284,20 @@ def sync(deployment: Deployment) -> None:
             return
     if ready:
         services.do_record(deployment, "metrics", scrape(deployment.folder, [r.url for r in ready if r.url]))
+
+
+def _current(deployment: Deployment, replicas: list[Any]) -> list[Any]:
+    """Each replica's state as its current supervisor reports it: on hosts, only replicas that hold
+    their devices (one of a host lost and back reports itself until its supervisor is stopped),
+    and of a replica placed again after its host was lost, the new one, not the forgotten one."""
+    if capacity.cluster_exists():
+        held = set(DeviceClaim.objects.filter(deployment=deployment).values_list("node", flat=True))
+        replicas = [r for r in replicas if r.index in held]
+    chosen: dict[int, Any] = {}
+    for replica in replicas:
+        if replica.index not in chosen or chosen[replica.index].phase == "failed":
+            chosen[replica.index] = replica
+    return [chosen[index] for index in sorted(chosen)]
 
 
 def fail_on_replica(deployment: Deployment, index: int, why: str) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from celery import shared_task
+from django.db import transaction
 
 from controlplane.processes import is_alive
 from deployments import quality, services, supervision
 from deployments.models import Deployment
+from hosts import scheduling
 from hosts.models import Host
 from runs import quantized
 from runs import services as run_services
@@ -105,7 +107,9 @@ def stop_deployment(deployment_id: int) -> str:
 
 @shared_task
 def reconcile_deployments() -> int:
-    """Fails active deployments whose supervisor process is gone; returns how many."""
+    """Takes the replicas of lost hosts out of their deployments (which fail only when no replica
+    is left), places them again where there is room, and fails active deployments whose
+    supervisor process is gone; returns how many failed."""
     def fail(deployment: Deployment, reason: str) -> bool:
         return services.do_set_status(
             deployment, Deployment.Status.FAILED, only_from=[deployment.status], reason=reason,
@@ -113,9 +117,13 @@ def reconcile_deployments() -> int:
         )  # fmt: skip
 
     failed = 0
-    # A deployment on a host that was lost lost its replicas with it.
+    # A deployment on a host that was lost lost the replicas there; the others serve on.
     for deployment in Deployment.objects.filter(status__in=SUPERVISED, device_claims__host__status=Host.Status.LOST).distinct():
-        failed += fail(deployment, "its host was lost")
+        failed += supervision.lose_hosts(deployment)
+    for deployment in Deployment.objects.filter(status=Deployment.Status.DEGRADED).select_related("checkpoint"):
+        supervision.place_missing(deployment)
+    with transaction.atomic():  # the host rows locked, as placement locks them
+        scheduling.release_ended_claims(list(Host.objects.select_for_update().order_by("pk")))
     for deployment in Deployment.objects.filter(status__in=SUPERVISED, supervisor_pid__isnull=False):
         if deployment.supervisor_pid is not None and not is_alive(deployment.supervisor_pid):
             said = supervisor_last_words(deployment)

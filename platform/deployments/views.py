@@ -14,7 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.exceptions import InvalidInput
+from controlplane.exceptions import InvalidInput, WrongState
 from deployments import services, shipped
 from deployments.models import ApiKey, Deployment
 from deployments.serializers import (
@@ -143,8 +143,8 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
 
 
 class ShippedFolderView(APIView):
-    """POST: a piece of a host's supervisor folder (the deployment's supervisor token), kept in
-    our copy that sync, the routers and the log API read (`serving.shipper` says the protocol)."""
+    """POST: a piece of a host's supervisor folder (the deployment's supervisor token for that
+    host; refused while the deployment holds no device there), kept in our copy that sync, the routers and the log API read (`serving.shipper` says the protocol)."""
 
     permission_classes = [AllowAny]
     authentication_classes: list[Any] = []  # the supervisor's bearer token, checked in post(); no session/CSRF
@@ -157,18 +157,30 @@ class ShippedFolderView(APIView):
                 {"offset": serializers.IntegerField(required=False), "shared": serializers.BooleanField(required=False)},
             ),
             401: inline_serializer("ShippedPieceTokenRequired", {"detail": serializers.CharField()}),
+            409: inline_serializer("ShippedPieceHostHoldsNothing", {"host": serializers.ListField(child=serializers.CharField())}),
         },
     )
     def post(self, request: Request, deployment_id: int) -> Response:
-        deployment = shipped.deployment_of_token(deployment_id, request.headers.get("Authorization", ""))
+        host = request.data.get("host") if isinstance(request.data, dict) else None
+        authorization = request.headers.get("Authorization", "")
+        deployment = shipped.deployment_of_token(deployment_id, str(host), authorization)
         if deployment is None:
-            return Response({"detail": "A valid supervisor token is required."}, status=status.HTTP_401_UNAUTHORIZED)
+            return Response(
+                {"detail": "A valid supervisor token for the host named in `host` is required."},
+                status=status.HTTP_401_UNAUTHORIZED,
+            )
         body = ShippedPieceSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         piece = body.validated_data
         copy = shipped.copy_of(deployment, piece["host"])
         if shipped.shared_with_supervisor(copy, piece["probe"]):
             return Response({"shared": True})
+        if not shipped.holds_devices(deployment, piece["host"]):
+            raise WrongState(
+                "host",
+                f"host {piece['host']} holds no device of deployment {deployment.pk} now (the host was lost, "
+                "or the deployment ended there): what runs there of it is being stopped, and sends nothing",
+            )
         try:
             data = base64.b64decode(piece["chunk"], validate=True)
         except binascii.Error:

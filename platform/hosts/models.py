@@ -10,7 +10,8 @@ from serving.vllm import DeviceInfo
 
 
 class Host(models.Model):
-    """A machine whose host worker registered with the cluster's join token and heartbeats.
+    """A machine whose host worker joined with the cluster's join token and heartbeats with the
+    secret it was given then.
 
     `devices` is what the worker last reported: `[{"index", "kind" ("gpu" or "cpu"), "model",
     "memory_mb"}]`, GPUs from nvidia-smi or CPU slots on a host without one.
@@ -33,6 +34,10 @@ class Host(models.Model):
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.READY, db_index=True)
     last_seen = models.DateTimeField(null=True, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
+    # SHA-256 of the secret given to the host when it joined, which its later heartbeats carry
+    # instead of the cluster's join token: no host can then speak for another. A random 256-bit
+    # secret needs no slow password hash. Empty: a host that joined before hosts had secrets.
+    secret_sha256 = models.CharField(max_length=64, blank=True, default="", editable=False)
 
     class Meta:
         ordering = ["name"]

@@ -12,6 +12,7 @@ claim and the run's move to `starting` commit together; the caller then sends th
 from __future__ import annotations
 
 import random
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,37 @@ from hosts.capacity import KINDS, Need, devices_word, need_of
 from hosts.models import DeviceClaim, Host
 from runs import launcher, services
 from runs.models import Run, RunEvent
+
+# How a host worker names a deployment's replica supervisor in what it reports it runs.
+SUPERVISOR_KEY = re.compile(r"^deployment-(\d+)$")
+
+
+def supervisors_on(host: Host) -> set[int]:
+    """The deployments whose supervisor the host's last beat says it runs."""
+    return {int(m.group(1)) for p in host.running if (m := SUPERVISOR_KEY.match(str(p.get("key", ""))))}
+
+
+def orphans_on(host: Host, held: set[tuple[int, int]] | None = None) -> list[str]:
+    """The supervisors the host runs for deployments that hold no device on it (any more): what
+    was left running there while it was lost, or a start that arrived after its deployment
+    ended. `held`: the (host, deployment) pairs of every deployment claim, when already read."""
+    if held is None:
+        held = set(DeviceClaim.objects.filter(host=host, deployment__isnull=False).values_list("host_id", "deployment_id"))
+    return [f"deployment-{pk}" for pk in sorted(supervisors_on(host)) if (host.pk, pk) not in held]
+
+
+def release_ended_claims(hosts: list[Host]) -> None:
+    """Gives back the devices of stopped and failed deployments once nothing of them can hold
+    them: their host is lost, or its last beat lists no supervisor of theirs. Until then a
+    device stays claimed, so no new work is placed where an old replica may still run."""
+    by_id = {h.pk: h for h in hosts}
+    running = {h.pk: supervisors_on(h) for h in hosts}
+    ended = DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"])
+    gone = [
+        pk for pk, host_id, deployment_id in ended.values_list("pk", "host_id", "deployment_id")
+        if host_id not in by_id or by_id[host_id].status == Host.Status.LOST or deployment_id not in running[host_id]
+    ]  # fmt: skip
+    DeviceClaim.objects.filter(pk__in=gone).delete()
 
 
 @dataclass(frozen=True)
@@ -105,8 +137,11 @@ class Pass:
             claimed[host_id].add(device)
         self.free = {h.pk: [d for d in h.device_indexes if d not in claimed[h.pk]] for h in hosts}
         self.ready: dict[str, list[Host]] = defaultdict(list)
+        held = set(DeviceClaim.objects.filter(deployment__isnull=False).values_list("host_id", "deployment_id"))
         for host in hosts:
-            if host.status == Host.Status.READY:
+            # A host still running a supervisor no claim covers gets nothing new until it is
+            # gone (its heartbeat has it stopped): that supervisor's replicas may hold devices.
+            if host.status == Host.Status.READY and not orphans_on(host, held):
                 self.ready[host.device_kind].append(host)
         self.ports: dict[str, set[str]] = defaultdict(set)
         for endpoint in (
@@ -172,6 +207,7 @@ def schedule() -> list[int]:
             return placed
         # Devices of runs that ended go back (normally done when they end; this catches the rest).
         DeviceClaim.objects.filter(run__status__in=Run.FINISHED).delete()
+        release_ended_claims(hosts)
         this = Pass(hosts)
         queue = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).order_by(
             "-priority", "created_at", "pk"
@@ -223,6 +259,7 @@ def place_deployment(
     kind: str,
     per_replica: int = 1,
     refusal: Callable[[Host], str | None] = lambda host: None,
+    first_replica: int = 0,
 ) -> list[ReplicaGroup] | str:
     """`per_replica` free devices of `kind` ("gpu" or "cpu") on one ready host for each replica,
     claimed for the deployment in one transaction (host rows locked, as for runs); or why there
@@ -230,14 +267,17 @@ def place_deployment(
     need), or None: such a host is left out, and named in the answer when they do not fit.
 
     Replicas spread over hosts as a run's nodes do (a lost host then costs one replica, not
-    all); the replicas that share a host share its supervisor and are numbered consecutively. A
-    deployment waits in no queue: one that does not fit now fails, saying why."""
+    all); the replicas that share a host share its supervisor and are numbered consecutively,
+    from `first_replica` (a lost host's replicas placed again). A host that runs replicas of the
+    deployment already is left out: one supervisor a host. A deployment waits in no queue: one
+    that does not fit now fails, saying why."""
     with transaction.atomic():
         hosts = list(Host.objects.select_for_update().order_by("pk"))
-        DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"]).delete()
+        release_ended_claims(hosts)
         this = Pass(hosts)
+        serving = set(DeviceClaim.objects.filter(deployment_id=deployment_id).values_list("host_id", flat=True))
         refused = {h.name: reason for h in this.ready.get(kind, []) if (reason := refusal(h)) is not None}
-        ready = [h for h in this.ready.get(kind, []) if h.name not in refused]
+        ready = [h for h in this.ready.get(kind, []) if h.name not in refused and h.pk not in serving]
         gang = place(Need(nodes=replicas, per_node=per_replica), {kind: ready}, this.free)
         if gang is None:
             if per_replica == 1:
@@ -256,7 +296,7 @@ def place_deployment(
         for host, devices in gang:
             on_host[host.pk] += devices
             by_id[host.pk] = host
-        groups, first = [], 0
+        groups, first = [], first_replica
         for host_id, devices in on_host.items():
             groups.append(ReplicaGroup(by_id[host_id], devices, first, per_replica))
             first += len(devices) // per_replica

@@ -48,6 +48,7 @@ class HostSerializer(ModelSerializer):
     kind = serializers.CharField(source="device_kind", read_only=True)
     claims = ClaimSerializer(many=True, read_only=True)
     free = serializers.SerializerMethodField()
+    running = serializers.SerializerMethodField()
 
     class Meta:
         model = Host
@@ -56,6 +57,10 @@ class HostSerializer(ModelSerializer):
             "last_seen", "registered_at",
         ]  # fmt: skip
         read_only_fields = fields
+
+    def get_running(self, host: Host) -> list[Any]:
+        """What the host worker last said it runs; nothing known of a lost host."""
+        return [] if host.status == Host.Status.LOST else list(host.running)
 
     def get_free(self, host: Host) -> int:
         """Devices no run holds."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 from datetime import timedelta
 from typing import Any
 
@@ -12,8 +15,57 @@ from django.utils import timezone
 from controlplane.exceptions import WrongState
 from controlplane.queue import enqueue_on_commit
 from hosts.models import Host
+from hosts.scheduling import orphans_on
+from runs.launcher import send_to_host
 
 log = logging.getLogger(__name__)
+
+
+class NameTaken(Exception):
+    """A join under the name of a host that has its own secret: only that host speaks for it."""
+
+
+def secret_digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def is_hosts_secret(name: str, secret: str) -> bool:
+    """Whether `secret` is the one host `name` was given when it joined."""
+    held = Host.objects.filter(name=name).values_list("secret_sha256", flat=True).first()
+    return bool(held) and hmac.compare_digest(secret_digest(secret), held or "")
+
+
+def do_join(name: str, **beat: Any) -> tuple[Host, str]:
+    """A heartbeat with the cluster's join token: registers a new host (or one that joined before
+    hosts had secrets) and gives it a secret of its own for every later beat. Refuses a name whose
+    host has a secret: the join token no longer lets anyone rewrite that host's address."""
+    secret = secrets.token_urlsafe(32)
+    with transaction.atomic():
+        host = do_heartbeat(name, **beat)  # holds the row's lock until this transaction ends
+        if host.secret_sha256:
+            raise NameTaken(name)  # rolls the beat back
+        host.secret_sha256 = secret_digest(secret)
+        Host.objects.filter(pk=host.pk).update(secret_sha256=host.secret_sha256)
+    log.info("host %s joined and was given its own secret", name)
+    return host, secret
+
+
+def do_remove(host: Host) -> None:
+    """Forgets a host holding no device; a machine may then join under its name anew."""
+    with transaction.atomic():
+        locked = Host.objects.select_for_update().get(pk=host.pk)
+        holders = sorted(
+            {f"run {c.run_id} node {c.node}" if c.run_id else f"deployment {c.deployment_id} replica {c.node}"
+             for c in locked.claims.all()}
+        )  # fmt: skip
+        if holders:
+            raise WrongState(
+                "claims",
+                f"host {host.name} still holds devices for {', '.join(holders)}: drain it and let that work "
+                "end or move first",
+            )
+        locked.delete()
+    log.info("host %s removed", host.name)
 
 
 def do_heartbeat(
@@ -96,3 +148,14 @@ def do_mark_lost(silent_after: float) -> list[Host]:
             host.status = Host.Status.LOST
             lost.append(host)
     return lost
+
+
+def do_stop_orphans(host: Host) -> list[str]:
+    """Has the host stop the supervisors it runs for deployments that hold no device on it (what
+    ran on while it was lost, or a start that came after its deployment ended): until they are
+    gone, placement gives the host nothing new. Sent on every beat that still lists one."""
+    orphans = orphans_on(host)
+    for key in orphans:
+        log.warning("host %s runs %s, which holds no device there: stopping it", host.name, key)
+        send_to_host(host, "stop_process", {"key": key})
+    return orphans

@@ -5,6 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 
+from controlplane.queue import enqueue_on_commit
 from hosts import recovery, scheduling, services
 from runs import launcher
 from runs.models import Run
@@ -29,5 +30,10 @@ def watch_hosts() -> list[str]:
     lost = services.do_mark_lost(settings.HOST_LOST_AFTER_SECONDS)
     for host in lost:
         recovery.do_handle_lost_host(host)
+    if lost:
+        # The deployments' replicas there go out of their routing now, not at the next reconcile
+        # tick (15 s): until then a router still tries them, and an unreachable host costs a
+        # request a connect timeout before it fails over.
+        enqueue_on_commit("deployments.tasks.reconcile_deployments")
     schedule_and_start()
     return [host.name for host in lost]

@@ -22,16 +22,23 @@ log = logging.getLogger(__name__)
 
 
 class HostViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
-    """The cluster's hosts, for every signed-in user; draining and undraining are for staff."""
+    """The cluster's hosts, for every signed-in user; draining, undraining and removing are for staff."""
 
     serializer_class = HostSerializer
     queryset = Host.objects.prefetch_related("claims")
-    conflict_actions = ("drain", "undrain")
+    conflict_actions = ("drain", "undrain", "remove")
 
     def get_permissions(self) -> list[Any]:
         if self.action in self.conflict_actions:
             return [IsAdminUser()]
         return list(super().get_permissions())
+
+    @extend_schema(request=None, responses={204: None})
+    @action(detail=True, methods=["post"])
+    def remove(self, request: Request, pk: str) -> Response:
+        """Forgets a host that holds no device (its secret with it): a machine can join under its name again."""
+        services.do_remove(self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(request=None, responses=HostSerializer)
     @action(detail=True, methods=["post"])
@@ -48,7 +55,8 @@ class HostViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
 
 class HeartbeatView(APIView):
-    """A host worker's registration and heartbeat, with the cluster's join token as bearer."""
+    """A host worker's heartbeat, with the secret its host was given as bearer; its first one (its
+    join) carries the cluster's join token instead, and its answer gives the host its secret."""
 
     permission_classes = [AllowAny]
     authentication_classes: list[Any] = []  # the join token is checked in post(); no session or CSRF
@@ -56,8 +64,12 @@ class HeartbeatView(APIView):
     @extend_schema(
         request=HeartbeatSerializer,
         responses={
-            200: inline_serializer("HeartbeatAck", {"status": serializers.CharField()}),
+            200: inline_serializer(
+                "HeartbeatAck",
+                {"status": serializers.CharField(), "host_secret": serializers.CharField(required=False)},
+            ),
             401: inline_serializer("JoinTokenRequired", {"detail": serializers.CharField()}),
+            403: inline_serializer("HostNameTaken", {"detail": serializers.CharField()}),
         },
     )
     def post(self, request: Request) -> Response:
@@ -70,10 +82,32 @@ class HeartbeatView(APIView):
                 {"detail": "This control plane takes no hosts: FATHOM_JOIN_TOKEN is not set."},
                 status=status.HTTP_401_UNAUTHORIZED,
             )
-        if not token or not hmac.compare_digest(token.encode(), settings.JOIN_TOKEN.encode()):
-            log.warning("host heartbeat from %s refused: %s join token", peer, "wrong" if token else "no")
+        if not token:
+            log.warning("host heartbeat from %s refused: no join token or host secret", peer)
             return Response({"detail": "A valid join token is required."}, status=status.HTTP_401_UNAUTHORIZED)
         body = HeartbeatSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        host = services.do_heartbeat(**body.validated_data)
-        return Response({"status": host.status})
+        name = body.validated_data["name"]
+        if services.is_hosts_secret(name, token):
+            host = services.do_heartbeat(**body.validated_data)
+            services.do_stop_orphans(host)
+            return Response({"status": host.status})
+        if not hmac.compare_digest(token.encode(), settings.JOIN_TOKEN.encode()):
+            log.warning("host heartbeat from %s for host %s refused: neither its secret nor the join token", peer, name)
+            return Response(
+                {"detail": f"A valid join token, or the secret host {name} was given when it joined, is required."},
+                status=status.HTTP_401_UNAUTHORIZED,
+            )
+        try:
+            host, secret = services.do_join(**body.validated_data)
+        except services.NameTaken:
+            log.warning("join from %s as host %s refused: that host has its own secret", peer, name)
+            return Response(
+                {
+                    "detail": f"Host {name} has joined already and beats with its own secret; the join token "
+                    "cannot speak for it. Staff remove it on /hosts before a machine joins under that name again."
+                },
+                status=status.HTTP_403_FORBIDDEN,
+            )
+        services.do_stop_orphans(host)
+        return Response({"status": host.status, "host_secret": secret})

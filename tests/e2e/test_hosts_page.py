@@ -27,7 +27,8 @@ def test_the_hosts_page_shows_each_hosts_status_devices_runs_and_last_heartbeat(
         a = Host.objects.create(name="gpu-a", address="10.9.0.11", devices=gpus, running=running, last_seen=now)
         cpus = [{"index": i, "kind": "cpu"} for i in range(2)]
         Host.objects.create(
-            name="cpu-b", address="10.9.0.12", devices=cpus, status="lost", last_seen=now - timedelta(minutes=3)
+            name="cpu-b", address="10.9.0.12", devices=cpus, status="lost", last_seen=now - timedelta(minutes=3),
+            running=[{"key": "deployment-9", "pid": 77, "launch": 1}],  # its last word before it was lost
         )
         DeviceClaim.objects.create(host=a, device=1, run=run, node=0)
         return run.pk
@@ -48,5 +49,39 @@ def test_the_hosts_page_shows_each_hosts_status_devices_runs_and_last_heartbeat(
     expect(cpu_host).to_contain_text("lost")
     expect(cpu_host).to_contain_text("2 of 2 CPU slots free")
     expect(cpu_host).to_contain_text("3 min ago")
+    expect(cpu_host).not_to_contain_text("deployment-9")  # a lost host runs nothing anyone knows of
+    expect(page.get_by_role("button", name="Drain")).to_have_count(0)  # staff only
     screenshot(page, "hosts.png")
+    console.assert_clean()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_staff_drain_undrain_and_remove_hosts_from_the_page_and_a_host_holding_work_is_not_removed(
+    alice, live_web, browser_page: Page, console: ConsoleWatch, django_user_model
+):
+    def cluster() -> None:
+        django_user_model.objects.create_user("root", password="root-password-1", is_staff=True)
+        run = Run.objects.create(owner=alice, name="big", spec={}, status="running")
+        cpus = [{"index": i, "kind": "cpu"} for i in range(2)]
+        busy = Host.objects.create(name="busy", address="10.9.0.21", devices=cpus, last_seen=timezone.now())
+        Host.objects.create(name="idle", address="10.9.0.22", devices=cpus, status="lost", last_seen=timezone.now())
+        DeviceClaim.objects.create(host=busy, device=0, run=run, node=0)
+
+    off_loop(cluster)
+    page = browser_page
+    console.allow_http_error("/api/hosts/", 409)
+    log_in(page, live_web.url, "root", "root-password-1")
+    page.goto(f"{live_web.url}/hosts")
+    busy = page.locator('tr[data-host="busy"]')
+    busy.get_by_role("button", name="Drain").click()
+    expect(busy).to_contain_text("draining")
+    busy.get_by_role("button", name="Undrain").click()
+    expect(busy).to_contain_text("ready")
+    page.on("dialog", lambda dialog: dialog.accept())
+    busy.get_by_role("button", name="Remove").click()
+    expect(page.get_by_role("alert")).to_contain_text("Could not remove busy: ")
+    expect(page.get_by_role("alert")).to_contain_text("host busy still holds devices for run")
+    page.locator('tr[data-host="idle"]').get_by_role("button", name="Remove").click()
+    expect(page.locator('tr[data-host="idle"]')).to_have_count(0)
+    assert off_loop(lambda: sorted(Host.objects.values_list("name", "status"))) == [("busy", "ready")]
     console.assert_clean()

@@ -44,9 +44,10 @@ def test_the_run_page_resumes_after_its_last_event_when_the_web_process_restarts
     alice, live_web, browser_page: Page, console: ConsoleWatch
 ):
     page = browser_page
-    # While the web process is down, the socket's reconnects and the log poll fail by design.
+    # While the web process is down, the socket's reconnects and the log poll fail by design; a
+    # poll in flight when the process is killed is reset rather than refused.
     console.allow(r"WebSocket connection to .* failed")
-    console.allow(r"Failed to load resource: net::ERR_CONNECTION_REFUSED")
+    console.allow(r"Failed to load resource: net::ERR_CONNECTION_(REFUSED|RESET)")
     run = create_run(alice, "followed", {"layout": {"dp": 2}}, status="running")
     sockets: list[WebSocket] = []
     page.on("websocket", lambda socket: sockets.append(socket))

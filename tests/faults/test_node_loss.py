@@ -17,6 +17,7 @@ import pytest
 from tests.faults.harness import ROOT, AgentRun, Agents, free_port, training_spec, wait_for
 from training.config import RunSpec
 from training.heartbeat import read_beat
+from training.ports import RANK_STORE_PORTS
 from training.run_dir import CheckpointDir, RunDir
 
 pytestmark = pytest.mark.slow
@@ -78,7 +79,13 @@ def test_losing_a_node_with_min_two_restarts_both_when_a_replacement_joins(agent
     )
     assert node0.wait() == 0, node0.tail()
     assert replacement.wait() == 0, replacement.tail()
-    assert [r["world_size"] for r in node0.of_kind("rendezvous")] == [4, 4]
+    restarts = [(r["attempt"], r["reason"]) for r in node0.of_kind("restarting")]
+    assert [r["world_size"] for r in node0.of_kind("rendezvous")] == [4, 4], restarts
+    # Each attempt's rank 0 store listened on a port below the ephemeral range, which no outgoing
+    # connection takes between the agent's pick and the rank's bind; both nodes used the same.
+    masters = [r["master"] for r in node0.of_kind("rendezvous")]
+    assert all(int(master.rsplit(":", 1)[1]) in RANK_STORE_PORTS for master in masters), masters
+    assert replacement.of_kind("rendezvous")[-1]["master"] == masters[-1]
     # Node 0's ranks copied step 5, which they held whole, into shared memory as their collectives
     # broke; both "hosts" here are one machine, so the replacement's ranks (their dp replicas)
     # restore from those copies too. Hosts apart, they would find none and all resume from disk (4).

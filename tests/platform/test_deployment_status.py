@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import threading
+from unittest import mock
 
 import pytest
 from django.db import connection
@@ -99,7 +100,7 @@ def test_stopping_a_stopped_deployment_is_refused_and_records_nothing(alice, ali
     deployment = make_deployment(alice, Deployment.Status.STOPPED)
     response = alice_api.post(f"/api/deployments/{deployment.pk}/stop/")
     assert response.status_code == 409
-    assert response.json() == {"status": ["only active deployments can be stopped; this one is stopped"]}
+    assert response.json() == {"status": ["only active or failed deployments can be stopped; this one is stopped"]}
     assert kinds(deployment) == []
 
 
@@ -142,3 +143,15 @@ def test_a_replica_that_gave_up_starting_fails_its_deployment_with_its_error_lin
     finally:
         supervisor.kill()
         supervisor.wait()
+
+
+def test_a_failed_deployment_can_be_stopped_so_what_survived_of_it_is_stopped(alice, alice_api, django_capture_on_commit_callbacks):
+    deployment = make_deployment(alice, Deployment.Status.FAILED)
+    with mock.patch("controlplane.queue.app.send_task") as send_task:
+        with django_capture_on_commit_callbacks(execute=True):
+            response = alice_api.post(f"/api/deployments/{deployment.pk}/stop/")
+    assert response.status_code == 200
+    assert Deployment.objects.get(pk=deployment.pk).status == Deployment.Status.STOPPING
+    assert kinds(deployment) == ["stopping"]
+    # The stop task, which asks every reachable host to stop its supervisor.
+    send_task.assert_called_once_with("deployments.tasks.stop_deployment", args=(deployment.pk,))

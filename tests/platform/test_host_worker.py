@@ -5,12 +5,16 @@ network namespaces of their own."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 
 from hosts.models import Host
 from hostworker.config import HostConfig
@@ -49,6 +53,20 @@ def host_processes(tmp_path: Path) -> Processes:
         python=sys.executable,
     )  # fmt: skip
     return Processes(config)
+
+
+def test_ranks_bind_gloo_and_nccl_to_the_interface_the_host_registered_with(tmp_path: Path, monkeypatch) -> None:
+    shown = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    addresses = {line.split()[1]: line.split()[3].split("/")[0] for line in shown.splitlines()}
+    interface, address = next((i, a) for i, a in addresses.items() if not a.startswith("127."))
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    processes = Processes(dataclasses.replace(host_processes(tmp_path).config, address=address))
+    env = processes.environment([0], "gpu")
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"], env["CUDA_VISIBLE_DEVICES"]) == (interface, interface, "0")
+    assert env["FATHOM_HOST_NAME"] == "h"  # an agent names its host as Fathom knows it, not by the machine's hostname
+    assert "NCCL_SOCKET_IFNAME" not in host_processes(tmp_path).environment([0], "cpu")  # loopback: left to NCCL
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the operator's
+    assert processes.environment([0], "gpu")["NCCL_SOCKET_IFNAME"] == "ib0"
 
 
 def test_a_host_keeps_a_runs_folder_under_its_own_data_folder_with_the_files_it_was_sent(tmp_path: Path) -> None:
@@ -103,7 +121,7 @@ def test_a_host_worker_without_the_join_token_is_turned_away(join_token, live_we
     wrong = HostWorker("h1", tmp_path / "wrong.log", live_web.url, "not-the-token")
     assert wrong.start().wait(timeout=120) == 2
     assert "refused host h1" in wrong.log.read_text()
-    assert "host heartbeat from 127.0.0.1 refused: wrong join token" in live_web.log.read_text()
+    assert "host heartbeat from 127.0.0.1 for host h1 refused: neither its secret nor the join token" in live_web.log.read_text()
     missing = HostWorker("h1", tmp_path / "missing.log", live_web.url, "")
     assert missing.start().wait(timeout=120) == 2
     assert "FATHOM_JOIN_TOKEN is not set" in missing.log.read_text()
@@ -121,6 +139,10 @@ def test_a_run_placed_on_a_host_worker_trains_there_is_cancelled_there_and_frees
         wait_until(lambda: client.get("/api/hosts/").json()["count"] == 1, 120, "the host to join")
         listed = client.get("/api/hosts/").json()["results"][0]
         assert (listed["name"], listed["kind"], listed["free"], listed["status"]) == ("local", "cpu", 2, "ready")
+        # It joined with the join token and keeps the secret it was given, for its owner's eyes only.
+        kept = Path(settings.DATA_DIR) / "hosts" / "local" / "host_secret"
+        assert Host.objects.get().secret_sha256 == hashlib.sha256(kept.read_bytes()).hexdigest()
+        assert kept.stat().st_mode & 0o777 == 0o600
         # Its CPU's flags, as this machine's /proc/cpuinfo lists them: placement reads them.
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
         assert Host.objects.get().cpu_flags == sorted(flags.split(":", 1)[1].split())

@@ -1,5 +1,6 @@
-"""Hosts joining with the cluster's join token, listed for users, drained by staff, marked lost
-when their heartbeats stop. On the real database, through the REST API."""
+"""Hosts joining with the cluster's join token and beating with their own secret, listed for
+users, drained and removed by staff, marked lost when their heartbeats stop. On the real database,
+through the REST API."""
 
 from __future__ import annotations
 
@@ -17,18 +18,31 @@ from tests.platform.conftest import client_for
 pytestmark = pytest.mark.django_db
 
 TOKEN = "join-token-for-tests"
+# The secret each host name was given when it joined, as its host worker keeps it.
+host_secrets: dict[str, str] = {}
 
 
-def beat(client, name="gpu-a", token=TOKEN, slots=2, **extra):
+@pytest.fixture(autouse=True)
+def _no_host_has_joined():
+    host_secrets.clear()
+
+
+def beat(client, name="gpu-a", token=None, slots=2, address="10.9.0.11", **extra):
+    """A host worker's beat: with the host's own secret once it has joined, else the join token
+    (or `token`, as given)."""
     body = {
         "name": name,
-        "address": "10.9.0.11",
+        "address": address,
         "devices": [{"index": i, "kind": "cpu"} for i in range(slots)],
         "labels": {"zone": "a"},
         **extra,
     }
+    token = host_secrets.get(name, TOKEN) if token is None else token
     headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
-    return client.post("/api/hosts/heartbeat/", json.dumps(body), content_type="application/json", **headers)
+    response = client.post("/api/hosts/heartbeat/", json.dumps(body), content_type="application/json", **headers)
+    if response.status_code == 200 and "host_secret" in response.json():
+        host_secrets[name] = response.json()["host_secret"]
+    return response
 
 
 @pytest.fixture
@@ -57,9 +71,10 @@ def test_a_heartbeat_without_the_right_token_is_refused_and_logged(client, join_
 
 
 def test_the_first_heartbeat_registers_the_host_and_the_next_refresh_it(client, join_token, alice_api):
-    assert beat(client, running=[{"key": "run-1-node-0", "pid": 42}]).json() == {"status": "ready"}
+    joined = beat(client, running=[{"key": "run-1-node-0", "pid": 42}]).json()
+    assert joined["status"] == "ready" and len(joined["host_secret"]) >= 40
     first_seen = Host.objects.get(name="gpu-a").last_seen
-    assert beat(client, slots=3).status_code == 200
+    assert beat(client, slots=3).json() == {"status": "ready"}  # with its own secret: no new one
     hosts = alice_api.get("/api/hosts/").json()["results"]
     assert len(hosts) == 1
     host = hosts[0]
@@ -114,3 +129,41 @@ def test_a_host_whose_heartbeats_stop_is_marked_lost_and_a_new_beat_brings_it_ba
     assert dict(Host.objects.values_list("name", "status")) == {"a": "ready", "b": "lost"}
     assert watch_hosts() == []  # marked once
     assert beat(client, name="b").json() == {"status": "ready"}
+
+
+def test_once_a_host_has_joined_the_join_token_cannot_speak_for_it_nor_can_another_hosts_secret(
+    client, join_token, caplog
+):
+    beat(client, name="a")
+    beat(client, name="b", address="10.9.0.12")
+    with caplog.at_level(logging.WARNING, logger="hosts.views"):
+        taken = beat(client, name="a", token=TOKEN, address="10.9.0.66")
+    assert taken.status_code == 403
+    assert taken.json()["detail"].startswith("Host a has joined already and beats with its own secret")
+    assert "join from 127.0.0.1 as host a refused" in caplog.text
+    assert beat(client, name="a", token=host_secrets["b"], address="10.9.0.66").status_code == 401
+    assert dict(Host.objects.values_list("name", "address")) == {"a": "10.9.0.11", "b": "10.9.0.12"}
+    assert beat(client, name="a", address="10.9.0.13").json() == {"status": "ready"}  # its own secret
+    assert Host.objects.get(name="a").address == "10.9.0.13"
+
+
+def test_staff_remove_a_host_that_holds_no_device_and_a_machine_may_then_join_under_its_name(
+    client, join_token, alice_api, django_user_model
+):
+    from hosts.models import DeviceClaim
+    from runs.models import Run
+
+    beat(client, name="a")
+    host = Host.objects.get()
+    admin = client_for(django_user_model.objects.create_user("root", password="root-password-1", is_staff=True))
+    assert alice_api.post(f"/api/hosts/{host.pk}/remove/").status_code == 403
+    run = Run.objects.create(owner=django_user_model.objects.get(username="alice"), name="r", spec={})
+    claim = DeviceClaim.objects.create(host=host, device=0, run=run, node=0)
+    held = admin.post(f"/api/hosts/{host.pk}/remove/")
+    assert held.status_code == 409
+    assert f"host a still holds devices for run {run.pk} node 0" in str(held.json())
+    claim.delete()
+    assert admin.post(f"/api/hosts/{host.pk}/remove/").status_code == 204
+    assert not Host.objects.exists()
+    assert beat(client, name="a").status_code == 401  # the old secret went with the host
+    assert "host_secret" in beat(client, name="a", token=TOKEN).json()  # a machine joins under the name anew

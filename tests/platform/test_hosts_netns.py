@@ -11,17 +11,22 @@ namespaces, the bridge and every process in them are removed at the end, also on
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from rest_framework.authtoken.models import Token
 
 from controlplane.web import web_command
 from hosts.models import Host
+from hostworker.processes import is_alive
 from runs.models import Run
 from tests.platform.conftest import REPO, CeleryWorker, HostWorker, free_port, process_env, stop, wait_for_http
 from tests.platform.test_run_lifecycle import wait_until
@@ -58,10 +63,13 @@ def cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator
 @contextmanager
 def running_cluster(
     network: Network, alice, tmp_path: Path, monkeypatch, host_env: Callable[[int], dict[str, str]] = lambda i: {},
-    hidden: Path | None = None, host_lost_after: float = 6,
+    hidden: Path | None = None, host_lost_after: float = 6, cpu_slots: int = 2, core_each: bool = False,
 ) -> Iterator[Cluster]:
     """The `cluster` fixture's cluster; `host_env(index)` adds to a host worker's environment;
-    `hidden`: a folder each host worker (and all it starts) sees as an empty tmpfs of its own."""
+    `hidden`: a folder each host worker (and all it starts) sees as an empty tmpfs of its own;
+    `core_each`: host `index` has core `index` of this machine to itself, as two one-core machines
+    would (a host's slots otherwise start at core 0 on each: a vLLM worker pins itself to its
+    slot's first core, and one started beside a busy replica of the other host got no CPU)."""
     bridge = network.bridge_address
     redis_port, web_port = free_port(), free_port()
     url = f"http://{bridge}:{web_port}"
@@ -91,8 +99,9 @@ def running_cluster(
         for index in range(2):
             namespace = network.add_namespace()
             host = HostWorker(
-                f"h{index}", tmp_path / f"host{index}.log", url, TOKEN, cpu_slots=2,
-                prefix=["ip", "netns", "exec", namespace, *(netns.hiding(hidden) if hidden else [])], **host_env(index),
+                f"h{index}", tmp_path / f"host{index}.log", url, TOKEN, cpu_slots=cpu_slots,
+                prefix=["ip", "netns", "exec", namespace, *(netns.hiding(hidden) if hidden else []),
+                        *(["taskset", "-c", str(index)] if core_each else [])], **host_env(index),
             )  # fmt: skip
             host.start()
             stoppers.append(host.stop)
@@ -183,36 +192,111 @@ def test_runs_span_namespace_hosts_at_their_own_addresses_and_wait_their_turn(cl
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_host_killed_mid_run_is_marked_lost_and_the_run_goes_on_on_the_other(cluster):
+@pytest.mark.parametrize("lost_node", [1, 0], ids=["node1", "node0"])
+def test_a_host_killed_mid_run_is_marked_lost_and_the_run_goes_on_on_the_other(cluster, lost_node):
     spec = {
         "layout": {"dp": 2},
         "nodes": {"min": 1, "max": 2, "nproc_per_node": 1},
         "train": {"steps": 30, "warmup_steps": 2, "checkpoint_interval": 5, "global_batch": 8},
     }
     run_id = submit(cluster, "survives", spec).json()["id"]
-    wait_until(lambda: Run.objects.get(pk=run_id).step >= 3, 300, "the run to train on both hosts")
+    wait_until(lambda: Run.objects.get(pk=run_id).step >= 7, 300, "the run to train on both hosts past a checkpoint")
     placed = {n["node"]: n["host"] for n in Run.objects.get(pk=run_id).events.get(kind="placed").data["nodes"]}
-    victim = placed[1]  # node 0's host keeps the rendezvous store
+    victim, survivor = placed[lost_node], placed[1 - lost_node]
     namespace = cluster.network.namespaces[int(victim.removeprefix("h"))]
-    # The host worker of B and the agent and rank it started go at once, as with a power cut.
+    # The host worker and the agent, rank (and on node 0's host, the rendezvous store) it started
+    # go at once, as with a power cut.
     assert cluster.network.kill_everything_in(namespace) >= 3
 
     wait_until(lambda: Host.objects.get(name=victim).status == "lost", 30, f"{victim} to be marked lost")
     run = wait_finished(run_id)
     assert run.status == "succeeded", run.status_reason
+    assert run.step == 30
     lost = run.events.get(kind="host_lost").data
+    if lost_node == 0:
+        # The store went with node 0: the run was queued again, naming the host, and resumed
+        # from its last checkpoint with both nodes on the host left; the steps it trained twice
+        # (before the loss, and again from the checkpoint) have the same losses.
+        assert (lost["host"], lost["nodes"], lost["continues"]) == (victim, ["node-0"], False)
+        assert lost["reason"] == f"host {victim} lost with node 0, which held the run's rendezvous store"
+        assert run.events.filter(kind="queued", data__resume=True).exists()
+        again = run.events.filter(kind="placed").order_by("-seq").first().data["nodes"]
+        assert {n["host"] for n in again} == {survivor}
+        by_step: dict[int, set[float]] = {}
+        for data in run.events.filter(kind="metrics").values_list("data", flat=True):
+            by_step.setdefault(data["step"], set()).add(data["loss"])
+        replayed = [step for step in by_step if run.events.filter(kind="metrics", data__step=step).count() > 1]
+        assert replayed and all(len(by_step[step]) == 1 for step in replayed), by_step
+        return
     assert (lost["host"], lost["nodes"], lost["nodes_left"], lost["continues"]) == (victim, ["node-1"], 1, True)
     assert run.events.filter(kind="restarting").exists()
     # Node 0 met again alone (before or after the control plane marked the host lost).
     assert 1 in {r["nodes"] for r in run.events.filter(kind="rendezvous").values_list("data", flat=True)}
-    assert run.step == 30
     hosts = {h["name"]: h for h in cluster.api.get("/api/hosts/").json()["results"]}
-    assert hosts[victim]["status"] == "lost" and hosts[placed[0]]["status"] == "ready"
+    assert hosts[victim]["status"] == "lost" and hosts[survivor]["status"] == "ready"
+
+
+class ChatLoop(threading.Thread):
+    """Chats through the control plane's /v1 one after another with the official client (its
+    retries on, as a user's would be) until finished; keeps what each request came to."""
+
+    def __init__(self, url: str, key: str, model: str) -> None:
+        super().__init__(daemon=True)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=2)
+        self.model = model
+        self.answered = 0
+        self.failures: list[str] = []
+        self._finish = threading.Event()
+
+    def run(self) -> None:
+        while not self._finish.is_set():
+            try:
+                chat = self.client.chat.completions.create(
+                    model=self.model, messages=[{"role": "user", "content": "the cat"}], max_tokens=3
+                )
+                assert chat.choices[0].message.content is not None
+                self.answered += 1
+            except Exception as exc:  # every way a request fails is a finding
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+            self._finish.wait(0.2)
+
+    def finish(self) -> None:
+        self._finish.set()
+        self.join(timeout=180)
+
+
+def supervisor_pid(cluster: Cluster, host: str, deployment_id: int) -> int | None:
+    """The pid of the deployment's supervisor that `host`'s last beat lists, if any."""
+    hosts = {h["name"]: h for h in cluster.api.get("/api/hosts/").json()["results"]}
+    return next((p["pid"] for p in hosts[host]["running"] if p["key"] == f"deployment-{deployment_id}"), None)
+
+
+def serving_processes(cluster: Cluster) -> list[str]:
+    """The supervisors and vLLM replicas running in either namespace host."""
+    found = []
+    for namespace in cluster.network.namespaces:
+        for pid, argv in cluster.network.commands_in(namespace).items():
+            command = " ".join(argv)
+            if "serving.supervisor" in command or "vllm" in command:
+                found.append(f"{namespace} {pid}: {command[:120]}")
+    return found
+
+
+@pytest.fixture
+def one_slot_cluster(network, alice, transactional_db, tmp_path, monkeypatch) -> Iterator[Cluster]:
+    """The `cluster`, with one CPU slot (and core) a host: a replica lost with its host fits
+    nowhere else."""
+    monkeypatch.setenv("FATHOM_RECONCILE_INTERVAL", "2")  # re-placing waits for the next pass
+    with running_cluster(network, alice, tmp_path, monkeypatch, cpu_slots=1, core_each=True) as running:
+        yield running
 
 
 @pytest.mark.vllm
 @pytest.mark.django_db(transaction=True)
-def test_a_deployments_replicas_on_two_namespace_hosts_answer_through_the_control_planes_v1_and_stop_there(cluster):
+def test_a_deployment_on_two_namespace_hosts_serves_through_v1_across_the_loss_of_one_and_stops_on_both(
+    one_slot_cluster,
+):
+    cluster = one_slot_cluster
     trained = submit(cluster, "servable", {"train": {"steps": 6, "warmup_steps": 2, "checkpoint_interval": 6}}).json()
     wait_until(
         lambda: (c := cluster.api.get(f"/api/runs/{trained['id']}/checkpoints/").json()) and c[-1]["export_path"],
@@ -225,20 +309,22 @@ def test_a_deployments_replicas_on_two_namespace_hosts_answer_through_the_contro
     assert created.status_code == 201, created.text
     deployment_id = created.json()["id"]
     addresses = {cluster.network.address(0), cluster.network.address(1)}
+
+    def deployment() -> dict:
+        return cluster.api.get(f"/api/deployments/{deployment_id}/").json()
+
+    def events() -> list[dict]:
+        return cluster.api.get(f"/api/deployments/{deployment_id}/events/").json()
+
     try:
-        wait_until(
-            lambda: cluster.api.get(f"/api/deployments/{deployment_id}/").json()["status"] in ("ready", "failed"),
-            900, "two ready replicas",
-        )  # fmt: skip
-        deployment = cluster.api.get(f"/api/deployments/{deployment_id}/").json()
-        assert deployment["status"] == "ready", deployment
-        events = cluster.api.get(f"/api/deployments/{deployment_id}/events/").json()
-        placed = next(e["data"]["hosts"] for e in events if e["kind"] == "placed")
+        wait_until(lambda: deployment()["status"] in ("ready", "failed"), 900, "two ready replicas")
+        assert deployment()["status"] == "ready", deployment()
+        placed = next(e["data"]["hosts"] for e in events() if e["kind"] == "placed")
         # One replica on each host (a lost host costs one replica, not both), each listening on its
         # host's own address, where the web process reaches it.
         assert sorted((p["host"], p["replicas"]) for p in placed) == [("h0", [0]), ("h1", [1])]
         by_replica = {p["replicas"][0]: p["address"] for p in placed}
-        urls = {r["index"]: r["url"].split("//")[1].split(":")[0] for r in deployment["replica_set"]}
+        urls = {r["index"]: r["url"].split("//")[1].split(":")[0] for r in deployment()["replica_set"]}
         assert urls == by_replica and set(urls.values()) == addresses
         key = cluster.api.post(f"/api/deployments/{deployment_id}/keys/", json={"name": "t"}).json()["key"]
         # Enough chats that the router, taking the replica with the fewest in flight, uses both.
@@ -258,13 +344,45 @@ def test_a_deployments_replicas_on_two_namespace_hosts_answer_through_the_contro
                 [0] if host["name"] == "h0" else [1]
             )
             assert f"deployment-{deployment_id}" in {p["key"] for p in host["running"]}
+
+        # h0's host worker dies; the supervisor and replica it started run on (a crashed worker,
+        # or a host cut off from the control plane). /v1 is used all along.
+        orphan = supervisor_pid(cluster, "h0", deployment_id)
+        assert orphan is not None
+        orphan_gone_at: list[float] = []
+
+        def watch_orphan() -> None:
+            while is_alive(orphan):
+                time.sleep(0.05)
+            orphan_gone_at.append(time.time())
+
+        threading.Thread(target=watch_orphan, daemon=True).start()
+        chats = ChatLoop(cluster.url, key, "spread")
+        chats.start()
+        cluster.hosts[0].kill()
+        wait_until(lambda: deployment()["status"] == "degraded", 60, "the deployment to go degraded")
+        now = deployment()
+        assert now["status_reason"] == "host h0 was lost with replica 0", now
+        assert {r["index"]: r["status"] for r in now["replica_set"]} == {0: "dead", 1: "ready"}
+        # Replica 0 fits on no other host (h1's one slot is replica 1's): it waits for h0.
+        time.sleep(5)
+        assert deployment()["status"] == "degraded" and is_alive(orphan)
+
+        # h0 comes back running the orphaned supervisor, which no claim covers: it is stopped
+        # before replica 0 is placed there again, and the device goes to the new one only then.
+        cluster.hosts[0].start()
+        wait_until(lambda: deployment()["status"] == "ready", 600, "replica 0 placed again on h0 and ready")
+        chats.finish()
+        assert chats.answered >= 10 and chats.failures == [], (chats.answered, chats.failures)
+        again = [e for e in events() if e["kind"] == "placed" and e["data"].get("again")]
+        assert [(e["data"]["again"], [p["host"] for p in e["data"]["hosts"]]) for e in again] == [([0], ["h0"])]
+        assert orphan_gone_at, "the orphaned supervisor still runs"
+        assert orphan_gone_at[0] <= datetime.fromisoformat(again[0]["time"]).timestamp()
+        assert supervisor_pid(cluster, "h0", deployment_id) not in (None, orphan)
     finally:
         cluster.api.post(f"/api/deployments/{deployment_id}/stop/")
-        wait_until(
-            lambda: cluster.api.get(f"/api/deployments/{deployment_id}/").json()["status"] == "stopped", 180, "the stop"
-        )
-    replicas = cluster.api.get(f"/api/deployments/{deployment_id}/").json()["replica_set"]
-    assert [r["status"] for r in replicas] == ["stopped", "stopped"]
+        wait_until(lambda: deployment()["status"] == "stopped", 180, "the stop")
+    assert [r["status"] for r in deployment()["replica_set"]] == ["stopped", "stopped"]
     # Each host stopped its supervisor, and both hosts' slots are free again.
     wait_until(
         lambda: all(
@@ -273,6 +391,7 @@ def test_a_deployments_replicas_on_two_namespace_hosts_answer_through_the_contro
         ),
         60, "both hosts to report their supervisor gone",
     )  # fmt: skip
+    wait_until(lambda: not serving_processes(cluster), 30, "no supervisor or replica left on either host")
 
 
 @pytest.mark.django_db(transaction=True)

@@ -15,10 +15,12 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from deployments import services as deployment_services
-from deployments.models import Deployment
+from deployments.models import Deployment, Replica
 from deployments.options import host_refusal
+from deployments.tasks import reconcile_deployments
+from hosts import services as host_services
 from hosts.models import DeviceClaim, Host
-from hosts.scheduling import place_deployment
+from hosts.scheduling import orphans_on, place_deployment
 from hosts.tasks import schedule_and_start, watch_hosts
 from runs import services
 from runs.models import Checkpoint, Run
@@ -64,7 +66,7 @@ def host_tasks(queue: str) -> list[tuple[str, dict]]:
 def purge_host_queues() -> None:
     purge_broker()
     if not settings.CELERY_BROKER_URL.startswith("filesystem://"):
-        redis.Redis.from_url(settings.CELERY_BROKER_URL).delete("host.a", "host.b")
+        redis.Redis.from_url(settings.CELERY_BROKER_URL).delete("host.a", "host.b", "host.c")
 
 
 @pytest.fixture
@@ -242,6 +244,46 @@ def test_a_lost_host_is_a_lost_node_the_run_goes_on_without_or_resumes_from_when
     assert run.status_reason == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 1 free"
 
 
+def test_losing_node_0s_host_resumes_the_run_from_its_checkpoint_naming_the_host_even_when_its_agents_said_first(
+    alice_api, two_hosts, settings
+):
+    settings.HOST_LOST_AFTER_SECONDS = 15
+    elastic = {**DP2_TWO_NODES, "nodes": {"min": 1, "max": 2, "nproc_per_node": 1}}
+    reason = "host a lost with node 0, which held the run's rendezvous store"
+    # Still running when a is marked lost: nodes.min is met, but the store went with node 0.
+    running = submit(alice_api, "running", elastic).json()["id"]
+    assert schedule_and_start() == [running]
+    assert dict(DeviceClaim.objects.filter(run_id=running).values_list("node", "host__name")) == {0: "a", 1: "b"}
+    Host.objects.update(last_seen=timezone.now())
+    Host.objects.filter(name="a").update(last_seen=timezone.now() - timedelta(seconds=16))
+    purge_host_queues()
+    assert watch_hosts() == ["a"]
+    run = Run.objects.get(pk=running)
+    assert (run.status, run.resume) == ("queued", True)
+    lost = run.events.get(kind="host_lost").data
+    assert (lost["nodes"], lost["continues"], lost["reason"]) == (["node-0"], False, reason)
+    assert run.events.filter(kind="status", data__status="failed").get().data["reason"] == reason
+    # Node 1's agent stops (it cannot meet again without the store).
+    assert ("hostworker.tasks.stop_process", {"key": f"run-{running}-node-1"}) in host_tasks("host.b")
+
+    # Its agents said first: the store's connection dropped, and they reported the run failed.
+    Host.objects.filter(name="a").update(status=Host.Status.READY, last_seen=timezone.now())
+    Run.objects.filter(pk=running).update(status="cancelled")  # out of the way
+    DeviceClaim.objects.filter(run_id=running).delete()
+    said = submit(alice_api, "said first", elastic).json()["id"]
+    assert schedule_and_start() == [said]
+    assert dict(DeviceClaim.objects.filter(run_id=said).values_list("node", "host__name"))[0] == "a"
+    Run.objects.filter(pk=said).update(
+        status="failed", finished_at=timezone.now(),
+        status_reason="rendezvous: RendezvousConnectionError: The connection to the C10d store has failed.",
+    )  # fmt: skip
+    Host.objects.filter(name="a").update(last_seen=timezone.now() - timedelta(seconds=16))
+    assert watch_hosts() == ["a"]
+    run = Run.objects.get(pk=said)
+    assert (run.status, run.resume) == ("queued", True)
+    assert run.events.get(kind="host_lost").data["reason"] == reason
+
+
 def test_a_deployments_replicas_spread_over_hosts_a_device_each_and_give_them_back(alice, alice_api, two_hosts):
     run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
     checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
@@ -259,9 +301,74 @@ def test_a_deployments_replicas_spread_over_hosts_a_device_each_and_give_them_ba
     waiting = submit(alice_api, "waits", DP2_TWO_NODES).json()["id"]
     assert schedule_and_start() == []
     assert Run.objects.get(pk=waiting).status_reason.endswith(", 0 free")
+    # Stopped, its supervisors still run on both hosts (their beats list them): the slots stay held.
+    Host.objects.update(running=[{"key": f"deployment-{deployment.pk}", "pid": 7}])
     deployment_services.do_set_status(deployment, Deployment.Status.STOPPED, only_from=Deployment.Status.values)
-    assert not DeviceClaim.objects.filter(deployment=deployment).exists()
+    assert schedule_and_start() == []
+    assert DeviceClaim.objects.filter(deployment=deployment).count() == 2
+    # Once the hosts' beats no longer list them, the slots go back and the run takes them.
+    Host.objects.update(running=[])
     assert schedule_and_start() == [waiting]
+    assert not DeviceClaim.objects.filter(deployment=deployment).exists()
+
+
+def test_a_host_running_a_supervisor_no_claim_covers_gets_nothing_new_and_is_told_to_stop_it(alice, alice_api, two_hosts):
+    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere")
+    gone = Deployment.objects.create(owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", status="failed")
+    # Host b came back from being lost with that deployment's supervisor still running.
+    Host.objects.filter(name="b").update(running=[{"key": f"deployment-{gone.pk}", "pid": 7}])
+    b = Host.objects.get(name="b")
+    assert orphans_on(b) == [f"deployment-{gone.pk}"]
+    waiting = submit(alice_api, "waits", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == []  # b's slot may be held by that replica
+    assert Run.objects.get(pk=waiting).status_reason.endswith(", 1 free")
+    assert host_services.do_stop_orphans(b) == [f"deployment-{gone.pk}"]
+    assert ("hostworker.tasks.stop_process", {"key": f"deployment-{gone.pk}"}) in host_tasks("host.b")
+    Host.objects.filter(name="b").update(running=[])  # its next beat: stopped
+    assert schedule_and_start() == [waiting]
+
+
+def test_losing_one_host_of_a_deployment_degrades_it_and_its_replica_is_placed_again_where_there_is_room(
+    alice, two_hosts, tmp_path, django_capture_on_commit_callbacks
+):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere", export_path=str(export))
+    deployment = Deployment.objects.create(
+        owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=2, status="ready"
+    )
+    for index in (0, 1):
+        Replica.objects.create(deployment=deployment, index=index, status="ready")
+    assert [(g.host.name, g.replicas) for g in place_deployment(deployment.pk, 2, "cpu")] == [("a", [0]), ("b", [1])]
+    Host.objects.filter(name="b").update(last_seen=timezone.now() - timedelta(seconds=60))
+    add_host("c", 1, "10.9.0.13")
+    purge_broker()
+    with django_capture_on_commit_callbacks(execute=True):
+        assert watch_hosts() == ["b"]
+    # Marking the host lost sends the reconcile at once, not at its next tick.
+    assert [task for task, _ in host_tasks("celery")] == ["deployments.tasks.reconcile_deployments"]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert reconcile_deployments() == 0
+    deployment.refresh_from_db()
+    assert (deployment.status, deployment.status_reason) == ("degraded", "host b was lost with replica 1")
+    assert dict(Replica.objects.filter(deployment=deployment).values_list("index", "status")) == {0: "ready", 1: "dead"}
+    # Replica 1 was placed again on c, the host with room, and its supervisor sent there.
+    claims = sorted(DeviceClaim.objects.filter(deployment=deployment).values_list("host__name", "node"))
+    assert claims == [("a", 0), ("c", 1)]
+    started = [kwargs for task, kwargs in host_tasks("host.c") if task == "hostworker.tasks.start_process"]
+    assert [k["key"] for k in started] == [f"deployment-{deployment.pk}"]
+    assert json.loads(started[0]["files"]["deployment.json"])["first_replica"] == 1
+    assert list(deployment.events.filter(kind__in=["host_lost", "placed"]).values_list("kind", flat=True)) == [
+        "host_lost", "placed"
+    ]
+    # Losing its last host fails it, naming the hosts.
+    Host.objects.filter(name__in=["a", "c"]).update(status=Host.Status.LOST)
+    assert reconcile_deployments() == 1
+    deployment.refresh_from_db()
+    assert (deployment.status, deployment.status_reason) == ("failed", "host a, c was lost with replicas 0, 1")
 
 
 def test_replicas_beyond_one_per_host_share_a_host_under_consecutive_numbers(alice):

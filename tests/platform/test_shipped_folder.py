@@ -16,7 +16,7 @@ import pytest
 from deployments import supervision
 from deployments.models import Deployment, Replica
 from deployments.shipped import supervisor_token
-from hosts.models import Host
+from hosts.models import DeviceClaim, Host
 from runs.models import Checkpoint, Run
 from serving.shipper import FolderShipper, ShipperConfig
 from serving.state import DeploymentDir, DeploymentState, ReplicaEvent, ReplicaState, append_event, write_state
@@ -41,7 +41,7 @@ def write(folder: DeploymentDir, phase: str, stopping: bool = False) -> None:
 
 def ship(url: str, deployment: Deployment, folder: DeploymentDir) -> FolderShipper:
     """One supervisor's life: start shipping, stop, ship the rest."""
-    config = ShipperConfig(url=url, token=supervisor_token(deployment.pk), host="h0", folder=folder, poll_interval=0.2)
+    config = ShipperConfig(url=url, token=supervisor_token(deployment.pk, "h0"), host="h0", folder=folder, poll_interval=0.2)
     shipper = FolderShipper(config)
     shipper.start()
     assert shipper.close(timeout=30), shipper.last_error
@@ -57,8 +57,9 @@ def post(url: str, token: str, **piece: object) -> httpx.Response:
 def test_a_hosts_supervisor_folder_reaches_our_copy_which_sync_and_the_log_api_read(
     alice, alice_api, live_web, tmp_path: Path
 ) -> None:
-    Host.objects.create(name="h0", address="10.0.0.5")
+    host = Host.objects.create(name="h0", address="10.0.0.5", devices=[{"index": 0, "kind": "cpu"}])
     deployment = make_deployment(alice)
+    DeviceClaim.objects.create(host=host, device=0, deployment=deployment, node=0)  # its replica 0 runs there
     url = f"{live_web.url}/api/deployments/{deployment.pk}/shipped/"
     on_host = DeploymentDir(tmp_path / "host-data" / "deployments" / deployment.folder.name / "hosts" / "h0")
     ours = DeploymentDir(deployment.folder).on_host("h0")
@@ -96,21 +97,32 @@ def test_a_hosts_supervisor_folder_reaches_our_copy_which_sync_and_the_log_api_r
 
     # A piece sent again or past what we hold changes nothing; both answer our end.
     held = ours.supervisor_log.stat().st_size
-    again = post(url, supervisor_token(deployment.pk), chunk=base64.b64encode(b"supervisor").decode())
-    gap = post(url, supervisor_token(deployment.pk), offset=held + 5, chunk=base64.b64encode(b"lost?").decode())
+    again = post(url, supervisor_token(deployment.pk, "h0"), chunk=base64.b64encode(b"supervisor").decode())
+    gap = post(url, supervisor_token(deployment.pk, "h0"), offset=held + 5, chunk=base64.b64encode(b"lost?").decode())
     assert (again.status_code, again.json(), gap.json()) == (200, {"offset": held}, {"offset": held})
     assert ours.supervisor_log.stat().st_size == held
 
-    # Bad pieces are refused, naming why; another deployment's token is no token.
-    token = supervisor_token(deployment.pk)
-    assert post(url, supervisor_token(deployment.pk + 1)).status_code == 401
+    # Bad pieces are refused, naming why; another deployment's token is no token, nor is the
+    # token of this deployment's supervisor on another host (no host speaks for another).
+    token = supervisor_token(deployment.pk, "h0")
+    assert post(url, supervisor_token(deployment.pk + 1, "h0")).status_code == 401
+    Host.objects.create(name="h1", address="10.0.0.6", devices=[{"index": 0, "kind": "cpu"}])
+    assert post(url, supervisor_token(deployment.pk, "h1")).status_code == 401
     wrong_name = post(url, token, file="../deployment.json")
     assert wrong_name.status_code == 400 and "file" in wrong_name.json()
-    unknown_host = post(url, token, host="../../elsewhere")
+    unknown_host = post(url, supervisor_token(deployment.pk, "../../elsewhere"), host="../../elsewhere")
     assert unknown_host.status_code == 400 and "host" in unknown_host.json()
     bad_state = post(url, token, file="state.json", chunk=base64.b64encode(b"{}").decode())
     assert bad_state.status_code == 400 and "chunk" in bad_state.json()
     assert post(url, token, chunk="not base64!").json() == {"chunk": ["must be base64"]}
+    assert DeploymentState.from_dict(json.loads(ours.state_file.read_text())).replicas[0].phase == "stopped"
+
+    # Once the deployment holds nothing on h0 (the host was lost), a supervisor that ran on
+    # there is refused: its state would route requests to a replica that is being stopped.
+    DeviceClaim.objects.filter(host=host, deployment=deployment).delete()
+    write(on_host, "ready")
+    refused = post(url, token, file="state.json", chunk=base64.b64encode(on_host.state_file.read_bytes()).decode())
+    assert refused.status_code == 409 and "holds no device" in refused.json()["host"][0], refused.text
     assert DeploymentState.from_dict(json.loads(ours.state_file.read_text())).replicas[0].phase == "stopped"
 
 

@@ -22,6 +22,7 @@ let statusSeq = 0; // the seq of the last event that set `status`
 let createdAt = null;
 let replicaCount = 0;
 const replicas = new Map(); // index → {index, status, url, restarts, updated_at}
+const lostWith = new Map(); // index → the host a replica was lost with, until it is placed again
 // A supervisor event → the replica state it leaves behind (as the control plane mirrors it).
 const REPLICA_STATE = {
   replica_starting: "starting",
@@ -65,7 +66,9 @@ function renderReplicas() {
         "li",
         { class: `rank replica-${r.status}`, dataset: { replica: r.index, state: r.status } },
         h("div", { class: "rank-head" }, h("strong", {}, `Replica ${r.index}`), h("span", { class: "rank-state" }, r.status)),
-        h("div", { class: "muted path" }, r.status === "stopped" ? "" : r.url || "no address yet"),
+        lostWith.has(r.index) && r.status === "dead"
+          ? h("div", { class: "rank-failures" }, `lost with host ${lostWith.get(r.index)}; waiting for a host with room`)
+          : h("div", { class: "muted path" }, r.status === "stopped" ? "" : r.url || "no address yet"),
         h("div", {}, `${r.restarts ?? 0} restart${r.restarts === 1 ? "" : "s"}`),
         r.updated_at ? h("div", { class: "muted" }, `${r.status} since `, h("time", { datetime: r.updated_at, dataset: { ago: "" } }, ago(r.updated_at))) : null,
       ),
@@ -84,6 +87,15 @@ function applyEvent(e) {
     if (e.kind === "stopped") for (const r of replicas.values()) Object.assign(r, { status: "stopped", updated_at: new Date(e.time * 1000).toISOString() });
     return true;
   }
+  if (e.kind === "host_lost") {
+    for (const index of e.replicas ?? []) {
+      lostWith.set(index, (e.hosts ?? []).join(", "));
+      const r = replicas.get(index) ?? { index, restarts: 0 };
+      replicas.set(index, { ...r, status: "dead", url: "", updated_at: new Date(e.time * 1000).toISOString() });
+    }
+    return true;
+  }
+  if (e.kind === "placed") for (const index of e.again ?? []) lostWith.delete(index);
   const state = REPLICA_STATE[e.kind];
   if (state && e.replica != null) {
     const r = replicas.get(e.replica) ?? { index: e.replica, restarts: 0, url: "" };
@@ -181,6 +193,14 @@ function describe(e) {
       return `${replica} restarting${e.backoff ? ` in ${Number(e.backoff).toFixed(1)} s` : ""}`;
     case "replica_stopped":
       return `${replica} stopped`;
+    case "host_lost": {
+      const lost = e.replicas ?? [];
+      return `Host ${(e.hosts ?? []).join(", ")} lost with replica${lost.length === 1 ? "" : "s"} ${lost.join(", ")}; the others serve on`;
+    }
+    case "placed":
+      return (e.hosts ?? [])
+        .map((p) => `${e.again ? "Replica placed again" : "Placed"}: ${p.replicas.length === 1 ? "replica" : "replicas"} ${p.replicas.join(", ")} on ${p.host}`)
+        .join("; ") || "Placed";
     case "status":
       return `Status: ${e.status}${e.replicas ? ` (${e.ready ?? 0} of ${e.replicas} replicas ready)` : ""}`;
     default:
@@ -199,7 +219,7 @@ function onEvents(events) {
     }
     changed = true;
     replicasChanged = applyEvent(e) || replicasChanged;
-    const bad = e.kind === "replica_died" || e.kind === "failed";
+    const bad = e.kind === "replica_died" || e.kind === "failed" || e.kind === "host_lost";
     timeline.prepend(
       h(
         "li",

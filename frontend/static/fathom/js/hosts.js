@@ -1,5 +1,5 @@
 // The hosts list, refreshed while open: devices (free of all), who holds them, the processes the
-// host worker reports, last heartbeat.
+// host worker reports, last heartbeat; for staff, drain, undrain and remove.
 
 import { api, items } from "./api.js";
 import { ago, every, h, statusBadge } from "./dom.js";
@@ -28,6 +28,35 @@ function runsCell(host) {
   );
 }
 
+const staff = document.getElementById("host-rows").dataset.staff === "true";
+
+async function act(host, action) {
+  if (action === "remove" && !confirm(`Remove host ${host.name}? A machine may then join under its name again.`)) return;
+  // Its own line: the list's refresh clears only the list's error.
+  const error = document.getElementById("host-action-error");
+  try {
+    await api(`/api/hosts/${host.id}/${action}/`, { method: "POST" });
+    error.hidden = true;
+  } catch (exc) {
+    error.textContent = `Could not ${action} ${host.name}: ${exc.message}`;
+    error.hidden = false;
+  }
+  await refresh();
+}
+
+function actionsCell(host) {
+  const button = (action, label, kind) =>
+    h("button", { type: "button", class: `small ${kind}`, onclick: () => act(host, action) }, label);
+  return h(
+    "td",
+    { "data-label": "Actions" },
+    host.status === "ready" ? button("drain", "Drain", "secondary") : null,
+    host.status === "draining" ? button("undrain", "Undrain", "secondary") : null,
+    " ",
+    button("remove", "Remove", "danger"),
+  );
+}
+
 async function refresh() {
   const error = document.getElementById("hosts-error");
   let hosts;
@@ -52,6 +81,7 @@ async function refresh() {
         h("td", { "data-label": "Runs" }, runsCell(host)),
         h("td", { "data-label": "Processes" }, host.running.map((p) => p.key).join(", ") || "–"),
         h("td", { "data-label": "Last heartbeat" }, ago(host.last_seen)),
+        staff ? actionsCell(host) : null,
       ),
     ),
   );

@@ -1,6 +1,9 @@
 // The per-rank health grid, derived from a run's events alone: `rendezvous` says which ranks
-// run where, `metrics` how far the group got, `rank_failed` which rank went down and why.
-// Ranks train in lockstep, so the group's step is each running rank's last step.
+// run where, `metrics` how far the group got, `rank_failed` which rank went down and why,
+// `host_lost` which ranks went with a host. Ranks train in lockstep, so the group's step is each
+// running rank's last step. A rendezvous with fewer ranks (a node was lost and `nodes.min` let
+// the rest go on) fits the mesh to the world it formed, as the ranks do (data parallelism
+// shrinks); the ranks past it stay on the grid, marked as having left the run.
 
 import { h } from "./dom.js";
 
@@ -11,11 +14,14 @@ const STATE_TEXT = {
   restarting: "restarting",
   done: "finished",
   stopped: "stopped",
+  left: "left the run",
+  lost: "host lost",
 };
 
 export class RankGrid {
   constructor(list, { dp, tp, pp }) {
     this.list = list;
+    this.planned = { dp, tp, pp };
     this.dims = { dp, tp, pp };
     this.ranks = [];
     this.resize(dp * tp * pp);
@@ -25,7 +31,17 @@ export class RankGrid {
     while (this.ranks.length < worldSize) {
       this.ranks.push({ rank: this.ranks.length, state: "waiting", host: "", step: null, failures: 0, lastFailure: "" });
     }
-    this.ranks.length = worldSize;
+    for (const rank of this.ranks.slice(worldSize)) if (rank.state !== "lost") rank.state = "left";
+    const { tp, pp } = this.dims;
+    if (worldSize % (tp * pp) === 0) this.dims.dp = worldSize / (tp * pp);
+    this.worldSize = worldSize;
+  }
+
+  /** The layout the run has now, dp×tp×pp, and the planned one where it shrank. */
+  layoutLabel() {
+    const label = ({ dp, tp, pp }) => `${dp}×${tp}×${pp}`;
+    const now = label(this.dims);
+    return this.dims.dp === this.planned.dp ? now : `${now} (planned ${label(this.planned)})`;
   }
 
   /** Where a rank sits in the (pp, dp, tp) mesh; tp is innermost, as the trainer builds it. */
@@ -56,15 +72,23 @@ export class RankGrid {
         rank.lastFailure = failureText(event);
         return true;
       }
+      case "host_lost":
+        for (const rank of this.ranks) {
+          if (rank.host !== event.host || rank.state === "lost") continue;
+          rank.state = "lost";
+          rank.failures += 1;
+          rank.lastFailure = `host ${event.host} lost`;
+        }
+        return true;
       case "restarting":
         for (const rank of this.ranks) if (rank.state === "running") rank.state = "restarting";
         return true;
       case "succeeded":
-        for (const rank of this.ranks) if (rank.state !== "failed") rank.state = "done";
+        for (const rank of this.ranks.slice(0, this.worldSize)) if (rank.state !== "failed") rank.state = "done";
         return true;
       case "failed":
       case "cancelled":
-        for (const rank of this.ranks) if (rank.state !== "failed") rank.state = "stopped";
+        for (const rank of this.ranks.slice(0, this.worldSize)) if (rank.state !== "failed") rank.state = "stopped";
         return true;
       default:
         return false;
@@ -75,11 +99,12 @@ export class RankGrid {
     this.list.replaceChildren(
       ...this.ranks.map((r) => {
         const { dp, tp, pp } = this.coords(r.rank);
+        const inMesh = r.rank < this.worldSize;
         return h(
           "li",
           { class: `rank rank-${r.state}`, dataset: { rank: r.rank, state: r.state, failures: r.failures } },
           h("div", { class: "rank-head" }, h("strong", {}, `Rank ${r.rank}`), h("span", { class: "rank-state" }, STATE_TEXT[r.state])),
-          h("div", { class: "muted" }, `dp ${dp} · tp ${tp} · pp ${pp}`),
+          h("div", { class: "muted" }, inMesh ? `dp ${dp} · tp ${tp} · pp ${pp}` : `not in the ${this.worldSize}-rank world`),
           h("div", {}, r.host || "host unknown"),
           h("div", {}, r.step == null ? "no step yet" : `step ${r.step}`),
           r.failures

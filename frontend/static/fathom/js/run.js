@@ -37,7 +37,7 @@ const grid = new RankGrid($("rank-grid"), run.layout);
 const timeline = new Timeline($("timeline"));
 const checkpoints = new Checkpoints(run.id, $("checkpoint-rows"), $("checkpoints-empty"), { seqLen: run.seq_len, onDeploy: openDeploy });
 const logTail = new LogTail(run.id, $("log-tail"), $("log-rank"));
-logTail.setWorldSize(grid.ranks.length);
+logTail.setWorldSize(grid.worldSize);
 
 let status = run.status;
 let statusSeq = 0; // the seq of the event that set `status`: an older read of the row must not undo it
@@ -83,9 +83,12 @@ function onEvents(events) {
     } else if (e.kind === "node_reporting") {
       silenceChanged = silent.delete(e.node) || silenceChanged;
     }
-    if (e.kind === "rendezvous") logTail.setWorldSize(e.world_size ?? grid.ranks.length);
     checkpointsChanged = checkpoints.apply(e) || checkpointsChanged;
     gridChanged = grid.apply(e) || gridChanged;
+    if (e.kind === "rendezvous") {
+      logTail.setWorldSize(e.world_size ?? grid.worldSize);
+      $("stat-layout").textContent = grid.layoutLabel();
+    }
     rowChanged = rowChanged || ROW_KINDS.has(e.kind);
   }
   if (events.some((e) => e.kind === "checkpoint" || e.kind === "restarting")) charts.loss.setMarkers([...markers]);

@@ -41,7 +41,7 @@ export function describe(e) {
     case "agent_started":
       return ["Node agent started", `node ${e.node ?? 0} on ${e.host ?? "?"}, ${e.nproc ?? "?"} ranks`];
     case "rendezvous":
-      return ["Ranks joined", `attempt ${e.attempt ?? 0}: node ${e.node ?? 0} on ${e.host ?? "?"}, ranks ${(e.ranks ?? []).join(", ")} of ${e.world_size ?? "?"}`];
+      return ["Ranks joined", `round ${e.round ?? 0}: node ${e.node ?? 0} on ${e.host ?? "?"}, ranks ${(e.ranks ?? []).join(", ")} of ${e.world_size ?? "?"}`];
     case "rank_failed":
       return [`Rank ${e.rank} failed`, `${failureText(e)} on ${e.host ?? "?"}${e.last_step != null ? `, last step ${e.last_step}` : ""}`];
     case "restarting":
