@@ -47,8 +47,9 @@ def test_a_killed_rank_resumes_from_memory_on_the_uninterrupted_loss_curve(
         # replica), into memory as it failed, and both resumed from that copy.
         assert (resumed["step"], resumed["at_failure"]) == (KILLED_AT - 1, True)
     else:
-        # Rank 1's shard is in no other rank: both resumed from the last periodic snapshot.
-        assert 0 < resumed["step"] < KILLED_AT - 1
+        # Rank 1's shard is in no other rank: both resumed from the last periodic snapshot, which
+        # is step 17 itself where the interval lands there (CI saw every 13 steps from step 4).
+        assert 0 < resumed["step"] < KILLED_AT
         assert resumed["at_failure"] is False
     assert faulty.losses() == clean.losses()
     assert sorted(faulty.losses()) == list(range(1, STEPS + 1))

@@ -24,6 +24,9 @@ from training.run_dir import RunDir
 
 pytestmark = pytest.mark.django_db
 
+AVX2 = ["avx", "avx2", "fma"]
+AVX512 = ["avx", "avx2", "avx512f", "avx512bw", "fma"]
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -81,7 +84,12 @@ def test_a_quantization_fathom_does_not_make_is_refused_naming_the_field_and_the
     assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
 
 
-def test_a_quantized_deploy_whose_options_contradict_it_is_refused_before_anything_is_quantized(alice_api, checkpoint):
+def test_a_quantized_deploy_whose_options_contradict_it_is_refused_before_anything_is_quantized(
+    alice_api, checkpoint, monkeypatch
+):
+    # An AVX-512 host's facts, whatever this machine has: on an AVX2 one int4 is refused for its
+    # kernel before its dtype is looked at (the test below).
+    monkeypatch.setattr("deployments.options.device", lambda: DeviceInfo(kind="cpu", cpu_flags=frozenset(AVX512)))
     clash = alice_api.post(
         "/api/deployments/",
         {"checkpoint": checkpoint.pk, "quantization": "int8", "options": {"quantization": "int4"}},
@@ -112,10 +120,6 @@ def test_an_int4_deploy_on_an_avx2_cpu_is_refused_before_anything_is_quantized(a
     assert refused.status_code == 400
     assert "'int4' on cpu needs AVX-512" in refused.json()["options"]["quantization"][0]
     assert Deployment.objects.count() == 0 and QuantizedExport.objects.count() == 0
-
-
-AVX2 = ["avx", "avx2", "fma"]
-AVX512 = ["avx", "avx2", "avx512f", "avx512bw", "fma"]
 
 
 def test_once_hosts_have_joined_an_int4_deploy_is_checked_against_their_cpus_not_this_machines(
