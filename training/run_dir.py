@@ -251,6 +251,11 @@ class RunDir:
     def rendezvous_store_log(self) -> Path:
         return self.logs_dir / "rendezvous-store.log"
 
+    def rendezvous_store_lock(self, launch: int) -> Path:
+        """Held by a launch's rendezvous store on the control plane (`launcher.start_store_here`):
+        one a launch, as a resumed run's new store may start while the last one's still idles."""
+        return self.path / f"rendezvous-store-L{launch}.lock"
+
     @property
     def shipped_logs_file(self) -> Path:
         """The control plane's: how many bytes of each host's log file its copy holds."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import dj_database_url
 
@@ -241,9 +242,14 @@ HOST_LOST_AFTER_SECONDS = env_float("FATHOM_HOST_LOST_AFTER", 15.0)
 # How often hosts are checked for silence and queued runs offered the free devices.
 SCHEDULE_INTERVAL_SECONDS = env_float("FATHOM_SCHEDULE_INTERVAL", 2.0)
 CELERY_BEAT_SCHEDULE["watch-hosts"] = {"task": "hosts.tasks.watch_hosts", "schedule": SCHEDULE_INTERVAL_SECONDS}
-# Ports a run's rendezvous store may take on its first node, whatever the executor (each active
-# run holds one): below the kernel's ephemeral range, so no outgoing connection takes one
-# between the pick and the store's bind (training/ports.py).
+# Where the rendezvous store of a run on several hosts listens: on the control plane's worker
+# machine (it starts the store), at an address every host reaches, so that losing any host of the
+# run leaves its other agents a store to meet at again. By default PUBLIC_URL's host, which is
+# that machine where the web and the worker run together.
+RENDEZVOUS_ADDRESS = env_str("FATHOM_RENDEZVOUS_ADDRESS", urlsplit(PUBLIC_URL).hostname or "127.0.0.1")
+# Ports a run's rendezvous store may take, on the control plane or a one-node run's host,
+# whatever the executor (each active run holds one): below the kernel's ephemeral range, so no
+# outgoing connection takes one between the pick and the store's bind (training/ports.py).
 RENDEZVOUS_PORTS = range(
     env_int("FATHOM_RENDEZVOUS_PORT_MIN", DEFAULT_RENDEZVOUS_PORTS.start),
     env_int("FATHOM_RENDEZVOUS_PORT_MAX", DEFAULT_RENDEZVOUS_PORTS.stop - 1) + 1,

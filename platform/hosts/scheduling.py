@@ -27,6 +27,7 @@ from hosts.capacity import KINDS, Need, devices_word, need_of
 from hosts.models import DeviceClaim, Host
 from runs import launcher, services
 from runs.models import Run, RunEvent
+from training.ports import listen_port
 
 # How a host worker names a deployment's replica supervisor in what it reports it runs.
 SUPERVISOR_KEY = re.compile(r"^deployment-(\d+)$")
@@ -152,15 +153,20 @@ class Pass:
         self.claims: list[DeviceClaim] = []
         self.events: list[RunEvent] = []
 
-    def rendezvous_endpoint(self, address: str) -> str:
-        """A port on `address` that no active run's rendezvous holds."""
-        port = str(random.choice([p for p in settings.RENDEZVOUS_PORTS if str(p) not in self.ports[address]]))
+    def rendezvous_endpoint(self, gang: list[tuple[Host, list[int]]]) -> str:
+        """Where the run's agents meet: for one node, a port on its host, where its agent hosts
+        the store; for several, a port on the control plane's machine, where the launcher starts
+        the store (`launcher.start_store_here`), so that no host of the run holds it. A port no
+        active run's rendezvous holds, and on this machine one nothing listens on now."""
+        address = settings.RENDEZVOUS_ADDRESS if len(gang) > 1 else gang[0][0].address
+        free = [p for p in settings.RENDEZVOUS_PORTS if str(p) not in self.ports[address]]
+        port = str(listen_port(free, host="") if len(gang) > 1 else random.choice(free))
         self.ports[address].add(port)
         return f"{address}:{port}"
 
     def claim(self, run: Run, gang: list[tuple[Host, list[int]]]) -> bool:
         """Moves the run to `starting` with its devices and rendezvous; False if it moved on."""
-        endpoint = self.rendezvous_endpoint(gang[0][0].address)
+        endpoint = self.rendezvous_endpoint(gang)
         # Two events follow; their run-wide numbers are reserved in the same UPDATE, which holds
         # only if nobody numbered an event of the run since it was read (else: the next pass).
         if not Run.objects.filter(

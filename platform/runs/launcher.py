@@ -5,7 +5,8 @@ Agents outlive the Celery task that starts them: the task returns as soon as the
 agent is started under `flock -n` on a per-node lock file, so a launch delivered twice (a
 worker killed after it claimed the run) can never start a second agent for the same node. A run
 of several nodes also gets its rendezvous store as a process of its own
-(training/agent/rendezvous_store.py), so that losing node 0's agent does not end the job.
+(training/agent/rendezvous_store.py), so that losing node 0's agent does not end the job: on this
+machine, the control plane's, for a run on hosts, so that losing any of its hosts does not either.
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ def start_agents(run: Run, folder: Path, token: str) -> list[int]:
 
 
 def start_on_hosts(run: Run) -> None:
-    """Sends the placed run's start tasks to its hosts' queues: the rendezvous store (several
-    nodes) on the first host, at the endpoint chosen at placement, then one agent per node, each
-    told its host's address and its devices. The host worker starts them under the agent lock,
-    so a start delivered twice starts one agent."""
+    """Starts the placed run: its rendezvous store (several nodes) here, at the endpoint chosen
+    at placement, then one agent per node by a start task to its host's queue, each told its
+    host's address and its devices. The host worker starts them under the agent lock, so a start
+    delivered twice starts one agent."""
     launch = prepare(run)
     # Each host keeps the run's folder under its own data folder (the host worker puts it where
     # HOST_FOLDER stands), and gets the spec with the start: a host needs nothing of ours.
@@ -107,12 +108,7 @@ def start_on_hosts(run: Run) -> None:
         nodes.setdefault(claim.node, (claim.host, []))[1].append(claim.device)
     store_args: list[str] = []
     if len(nodes) > 1:
-        first = nodes[0][0]
-        send_to_host(first, "start_process", {
-            "key": store_key(run.pk), "module": "training.agent.rendezvous_store",
-            "args": ["--endpoint", run.rendezvous, "--run-dir", str(run_dir.path)],
-            "log": str(run_dir.rendezvous_store_log), **on_host,
-        })  # fmt: skip
+        start_store_here(run, launch.number)
         store_args = ["--host-store", "no"]
     for node, (host, devices) in sorted(nodes.items()):
         send_to_host(host, "start_process", {
@@ -126,6 +122,24 @@ def start_on_hosts(run: Run) -> None:
         })  # fmt: skip
 
 
+def start_store_here(run: Run, launch: int) -> None:
+    """The rendezvous store of a run on several hosts, on this machine at the run's endpoint
+    (`settings.RENDEZVOUS_ADDRESS`): none of the run's hosts holds it, so the agents that a lost
+    host leaves meet at it again. It leaves once no agent keeps the rendezvous alive. Under flock
+    on the launch's lock: a launch started twice starts one store."""
+    run_dir = run.run_dir
+    command = [
+        "flock", "-n", "-E", "75", str(run_dir.rendezvous_store_lock(launch)),
+        settings.TRAINING_PYTHON, "-m", "training.agent.rendezvous_store",
+        "--endpoint", run.rendezvous, "--run-dir", str(run_dir.path),
+    ]  # fmt: skip
+    start_detached(command, run_dir.rendezvous_store_log)
+
+
+def store_running_here(run: Run, launch: int) -> bool:
+    return flock_held(run.run_dir.rendezvous_store_lock(launch))
+
+
 # What a host worker's start_process replaces with the process's folder on that host
 # (hostworker.processes.FOLDER; the control plane imports nothing of the host worker).
 HOST_FOLDER = "{folder}"
@@ -137,7 +151,7 @@ def agent_key(run_id: int, node: int) -> str:
 
 
 def store_key(run_id: int) -> str:
-    """How a host worker names a run's rendezvous store."""
+    """How a run's rendezvous store is named (a Slurm job's, or a missing one in a log line)."""
     return f"run-{run_id}-store"
 
 
@@ -182,20 +196,20 @@ def agents_alive(run: Run) -> bool:
 
 
 def missing_on_hosts(run: Run) -> list[str]:
-    """What the run's current launch should run on its hosts (its rendezvous store, one agent a
-    node) that no host says it runs: a start task the broker lost, or a process that died
-    before its agent reported."""
+    """What the run's current launch should run (its rendezvous store here, one agent a node on
+    its hosts) that is not running: a start task the broker lost, or a process that died before
+    its agent reported."""
     launch = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
     nodes = sorted(set(DeviceClaim.objects.filter(run=run).values_list("node", flat=True)))
-    expected = [store_key(run.pk)] if len(nodes) > 1 else []
-    expected += [agent_key(run.pk, node) for node in nodes]
+    missing = [store_key(run.pk)] if len(nodes) > 1 and not store_running_here(run, launch) else []
+    expected = [agent_key(run.pk, node) for node in nodes]
     running = {
         item.get("key")
         for host in Host.objects.exclude(status=Host.Status.LOST)
         for item in host.running
         if item.get("launch") == launch
     }
-    return [key for key in expected if key not in running]
+    return missing + [key for key in expected if key not in running]
 
 
 def has_local_agents(run: Run) -> bool:

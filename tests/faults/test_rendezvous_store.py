@@ -1,4 +1,5 @@
-"""The standalone rendezvous store stays while any agent of its run holds its lock, then leaves."""
+"""The standalone rendezvous store stays while any agent of its run holds its lock or keeps its
+rendezvous alive, then leaves."""
 
 from __future__ import annotations
 
@@ -46,3 +47,52 @@ def test_the_store_lives_while_an_agent_holds_its_lock_and_leaves_after(tmp_path
     finally:
         store.kill()
         agent.kill()
+
+
+# An agent on another machine, as far as the store can tell: torch's own c10d rendezvous, joined
+# through the store and holding no lock the store can see; it leaves when its stdin closes.
+REMOTE_AGENT = """
+import sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+handler = get_rendezvous_handler(RendezvousParameters(
+    backend="c10d", endpoint=sys.argv[1], run_id=sys.argv[2], min_nodes=1, max_nodes=1,
+    is_host=False, keep_alive_interval=1, last_call_timeout=1,
+))
+handler.next_rendezvous()
+print("joined", flush=True)
+sys.stdin.read()
+handler.shutdown()
+"""
+
+
+def test_the_store_lives_while_agents_elsewhere_keep_the_rendezvous_alive_and_leaves_after(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    store = subprocess.Popen(
+        [sys.executable, "-m", "training.agent.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(tmp_path),
+         "--run-id", "run-7", "--start-grace-s", "60", "--idle-exit-s", "3"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    agent = None
+    try:
+        assert store.stdout is not None
+        assert f"listening on {endpoint}" in store.stdout.readline()
+        agent = subprocess.Popen(
+            [sys.executable, "-c", REMOTE_AGENT, endpoint, "run-7"], cwd=ROOT, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert agent.stdout is not None and agent.stdin is not None
+        assert agent.stdout.readline() == "joined\n"
+        time.sleep(8)  # well past its idle time: only the agent's keep-alives hold it
+        assert store.poll() is None
+        agent.stdin.close()
+        assert agent.wait(60) == 0
+        left = time.monotonic()
+        wait_for(lambda: store.poll() is not None, 60, "the store to leave")
+        assert store.returncode == 0 and time.monotonic() - left < 15
+        assert "no agent of the run is left" in store.stdout.read()
+    finally:
+        store.kill()
+        if agent is not None:
+            agent.kill()

@@ -3,13 +3,16 @@
 torch's c10d rendezvous keeps the job's membership in a TCPStore that, by default, the agent of
 node 0 hosts: losing that agent then ends the job on every node, whatever `nodes.min` says. For a
 run with more than one node the launcher starts this process first and has every agent connect to
-it (`--host-store no`), so any node, node 0 included, may be lost. (The ranks' own store is not
-affected: each rendezvous round's rank-0 agent hosts it anew.)
+it (`--host-store no`): on the control plane's machine for a run on hosts, so that any host of the
+run, node 0's included, may be lost; on the first node for a Slurm job. (The ranks' own store is
+not affected: each rendezvous round's rank-0 agent hosts it anew.)
 
-    python -m training.agent.rendezvous_store --endpoint HOST:PORT --run-dir DIR
+    python -m training.agent.rendezvous_store --endpoint HOST:PORT --run-dir DIR [--run-id ID]
 
-It leaves when the run's agents are gone: once no agent lock of the run folder is held (the launcher
-starts each agent under flock on it) for IDLE_EXIT_S. The locks are read from /proc/locks, never
+It leaves when the run's agents are gone: once, for IDLE_EXIT_S, no agent lock of the run folder
+is held on this machine (the launcher starts each agent under flock on it) and the run's
+rendezvous state has not changed (every agent, wherever it runs, writes its keep-alive there each
+second while it lives: torch's dynamic rendezvous). The locks are read from /proc/locks, never
 taken: a relaunched agent must not find its lock held by this process.
 """
 
@@ -20,8 +23,12 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from training.run_dir import RunDir
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 # Agents import torch before they first connect, which takes a while on a busy machine.
 START_GRACE_S = 120.0
@@ -59,10 +66,28 @@ def agents_running(run_dir: Path) -> bool:
     return False
 
 
+class RendezvousState:
+    """The run's rendezvous state as the store holds it (c10d's backend key), read through the
+    store's own client: `changed()` says whether an agent wrote it since the last look."""
+
+    def __init__(self, store: Store, run_id: str) -> None:
+        self.store = store
+        self.key = "torch.rendezvous." + run_id  # torch's C10dRendezvousBackend
+        self.last: bytes | None = None
+
+    def changed(self) -> bool:
+        if not self.store.check([self.key]):
+            return False
+        value = self.store.get(self.key)
+        changed, self.last = value != self.last, value
+        return changed
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training.agent.rendezvous_store", description=__doc__.split("\n\n")[0])
     parser.add_argument("--endpoint", required=True, help="HOST:PORT the agents are given as --rdzv-endpoint")
     parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--run-id", help="the agents' run id; default: the run folder's name, as theirs")
     parser.add_argument("--start-grace-s", type=float, default=START_GRACE_S, help="for the first agent to appear")
     parser.add_argument("--idle-exit-s", type=float, default=IDLE_EXIT_S, help="after the last agent left")
     args = parser.parse_args(argv)
@@ -74,10 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         host, int(port), is_master=True, multi_tenant=True, wait_for_workers=False, timeout=STORE_TIMEOUT
     )
     print(f"rendezvous store listening on {args.endpoint}", flush=True)
+    state = RendezvousState(store, args.run_id or args.run_dir.name)
     deadline = time.monotonic() + args.start_grace_s
     while time.monotonic() < deadline:
         time.sleep(min(1.0, args.idle_exit_s / 2))
-        if agents_running(args.run_dir):
+        if state.changed() or agents_running(args.run_dir):
             deadline = time.monotonic() + args.idle_exit_s
     print("no agent of the run is left: the store closes", flush=True)
     del store
