@@ -44,10 +44,10 @@ SETUP = """
 from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 from runs.models import Run
-from runs.services import hash_token
+from runs.launcher import node_token
 user, _ = get_user_model().objects.get_or_create(username="bench")
-runs = [Run.objects.create(owner=user, name=f"bench-{i}", spec={}, status="running", token_hash=hash_token(f"bench-agent-{i}")) for i in range(N)]
-print(Token.objects.get_or_create(user=user)[0].key, *[r.pk for r in runs])
+runs = [Run.objects.create(owner=user, name=f"bench-{i}", spec={}, status="running", token_launch=1) for i in range(N)]
+print(Token.objects.get_or_create(user=user)[0].key, *[f"{r.pk}:{node_token(r.pk, 1, 0)}" for r in runs])
 """
 
 
@@ -106,9 +106,11 @@ def run_backend(name: str, extra_env: dict[str, str]) -> dict[str, tuple[float, 
     manage = [sys.executable, str(REPO / "manage.py")]
     subprocess.run([*manage, "migrate", "-v", "0"], env=env, check=True)
     setup = SETUP.replace("range(N)", f"range({len(LOADS)})")
-    token, *run_ids = subprocess.run(
+    token, *runs = subprocess.run(
         [*manage, "shell", "-c", setup], env=env, check=True, capture_output=True, text=True
     ).stdout.split()[-1 - len(LOADS) :]
+    agent_tokens = dict(run.split(":") for run in runs)  # run id: its node 0's token
+    run_ids = list(agent_tokens)
     sys.path.insert(0, str(REPO / "platform"))
     from controlplane.web import web_command
 
@@ -131,7 +133,7 @@ def run_backend(name: str, extra_env: dict[str, str]) -> dict[str, tuple[float, 
                 connected = asyncio.Event()
                 following = asyncio.create_task(follow(url, run_id, token, rate * seconds, connected))
                 await connected.wait()
-                agent = start_agent(url, run_id, f"bench-agent-{run_ids.index(str(run_id))}", rate, seconds, work)
+                agent = start_agent(url, run_id, agent_tokens[str(run_id)], rate, seconds, work)
                 try:
                     return await asyncio.wait_for(following, timeout=seconds * 6 + 60)
                 finally:

@@ -64,7 +64,7 @@ class LocalExecutor:
 
     def submit(self, run: Run) -> str:
         launch = launcher.prepare(run)
-        pids = launcher.start_agents(run, launch.folder, launch.token)
+        pids = launcher.start_agents(run, launch)
         Run.objects.filter(pk=run.pk).update(agent_pids=pids)
         return f"started agents {pids}"
 
@@ -103,7 +103,7 @@ class SlurmExecutor:
         Raises slurm.SlurmError with what sbatch said."""
         launch = launcher.prepare(run)
         options = SlurmOptions(**run.slurm) if run.slurm else settings.SLURM_DEFAULTS
-        job_id = slurm.submit(slurm.write_scripts(run, options, launch.token))
+        job_id = slurm.submit(slurm.write_scripts(run, options, launch))
         Run.objects.filter(pk=run.pk, slurm_job_id=slurm.SUBMITTING).update(slurm_job_id=job_id)
         return job_id
 

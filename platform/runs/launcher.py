@@ -11,7 +11,7 @@ machine, the control plane's, for a run on hosts, so that losing any of its host
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 import json
 import os
 import signal
@@ -31,17 +31,20 @@ from training.run_dir import RunDir
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of a run: its folder, its number (the run's `launch_attempts` when it was
-    prepared; host workers tag what they run with it) and its agents' token."""
+    """One launch of a run: its folder and its number (the run's `launch_attempts` when it was
+    prepared; host workers tag what they run with it, and its agents' tokens derive from it)."""
 
+    run_id: int
     folder: Path
     number: int
-    token: str
+
+    def token(self, node: int) -> str:
+        return node_token(self.run_id, self.number, node)
 
 
 def prepare(run: Run) -> Launch:
-    """Writes the run's spec file and stores the hash of the current launch's token; returns
-    the launch, its number read once so that the token and the hosts' tag always agree.
+    """Writes the run's spec file and makes the current launch's node tokens the ones accepted;
+    returns the launch, its number read once so that the tokens and the hosts' tag always agree.
 
     The spec is written as it was stored at submit, resolved and checked (data paths included,
     filled in from the objects the run names): nothing here parses or changes it.
@@ -54,23 +57,32 @@ def prepare(run: Run) -> Launch:
     tmp.write_text(spec_text(run))
     tmp.replace(folder.spec_file)
     number = Run.objects.values_list("launch_attempts", flat=True).get(pk=run.pk)
-    token = launch_token(run.pk, number)
-    Run.objects.filter(pk=run.pk).update(token_hash=hash_token(token))
-    return Launch(folder.path, number, token)
+    Run.objects.filter(pk=run.pk).update(token_launch=number)
+    return Launch(run.pk, folder.path, number)
 
 
-def launch_token(run_id: int, launch: int) -> str:
-    """The agents' token for one launch of a run: derived from the server's secret, not stored,
-    so that a launch's start tasks can be sent again (a broker that lost one) with the token the
-    agents already started hold. A new launch has a new token, which locks out the last one's."""
-    return salted_hmac("fathom.runs.launch-token", f"{run_id}:{launch}", algorithm="sha256").hexdigest()
+def node_token(run_id: int, launch: int, node: int) -> str:
+    """The token of node `node`'s agent in one launch of a run: derived from the server's
+    secret, not stored, so that a launch's start tasks can be sent again (a broker that lost
+    one) with the tokens the agents already started hold. It speaks for its node only (the
+    events and logs it sends name their node), so a host holds no token of another host's
+    nodes. A new launch has new tokens, which lock out the last one's."""
+    return salted_hmac("fathom.runs.node-token", f"{run_id}:{launch}:{node}", algorithm="sha256").hexdigest()
+
+
+def is_node_token(run: Run, node: int, token: str) -> bool:
+    """Whether `token` is node `node`'s in the run's current launch."""
+    if run.token_launch is None or not token:
+        return False
+    return hmac.compare_digest(token, node_token(run.pk, run.token_launch, node))
 
 
 def spec_text(run: Run) -> str:
     return json.dumps(run.spec, indent=2, sort_keys=True)  # as RunSpec.to_json writes it
 
 
-def start_agents(run: Run, folder: Path, token: str) -> list[int]:
+def start_agents(run: Run, launch: Launch) -> list[int]:
+    folder = launch.folder
     run_dir = RunDir(folder)
     rdzv = f"127.0.0.1:{listen_port(settings.RENDEZVOUS_PORTS)}"
     store_args: list[str] = []
@@ -86,7 +98,7 @@ def start_agents(run: Run, folder: Path, token: str) -> list[int]:
         command = [
             "flock", "-n", "-E", "75", str(run_dir.agent_lock(node)),
             settings.TRAINING_PYTHON, "-m", "training.agent",
-            *agent_arguments(run, folder, node, rdzv, token), *store_args,
+            *agent_arguments(run, folder, node, rdzv, launch.token(node)), *store_args,
         ]  # fmt: skip
         pids.append(start_detached(command, run_dir.agent_log(node)))
     return pids
@@ -114,7 +126,8 @@ def start_on_hosts(run: Run) -> None:
         send_to_host(host, "start_process", {
             "key": agent_key(run.pk, node), "module": "training.agent", "lock": str(run_dir.agent_lock(node)),
             "args": [
-                *agent_arguments(run, run_dir.path, node, run.rendezvous, launch.token), "--local-addr", host.address,
+                *agent_arguments(run, run_dir.path, node, run.rendezvous, launch.token(node)),
+                "--local-addr", host.address,
                 "--logs-url", f"{settings.PUBLIC_URL}/api/runs/{run.pk}/shipped-logs/", *store_args,
             ],
             "log": str(run_dir.agent_log(node)), "devices": devices, "device_kind": host.device_kind,
@@ -159,10 +172,6 @@ def send_to_host(host: Host, task: str, kwargs: dict[str, object]) -> None:
     """A task for the host worker on `host` (hostworker/tasks.py), by name: the control plane
     imports nothing of the host worker."""
     app.send_task(f"hostworker.tasks.{task}", kwargs=kwargs, queue=host.queue)
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def agent_arguments(run: Run, folder: Path, node: int | str, rdzv: str, token: str) -> list[str]:

@@ -129,8 +129,9 @@ class Run(models.Model):
     restarts = models.IntegerField(default=0)
     # Events: the run-wide sequence number last handed out (see services.do_ingest_events).
     last_seq = models.BigIntegerField(default=0)
-    # The node agents' credentials and whereabouts.
-    token_hash = models.CharField(max_length=64, blank=True)
+    # The node agents' credentials and whereabouts: the launch whose node tokens are accepted
+    # (`launcher.node_token`; none before the first launch).
+    token_launch = models.IntegerField(null=True, blank=True)
     agent_pids = models.JSONField(default=list, blank=True)
     last_report_at = models.DateTimeField(null=True, blank=True)
     # Each node agent's last post ({"node-0": epoch seconds}) and the ones judged silent: the run
@@ -139,7 +140,8 @@ class Run(models.Model):
     silent_nodes = models.JSONField(default=list, blank=True)
     launch_attempts = models.IntegerField(default=0)
     # Placement on registered hosts (hosts.scheduling): higher goes first, then the older run; the
-    # rendezvous endpoint is on the first placed host's address, kept so a re-sent launch reuses it.
+    # rendezvous endpoint (on the control plane, or a one-node run's host) is kept so a re-sent
+    # launch reuses it.
     priority = models.IntegerField(default=0)
     rendezvous = models.CharField(max_length=300, blank=True)
     # Organising (issue 18): the recipe the spec started from (empty: a run from before it was

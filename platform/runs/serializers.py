@@ -311,7 +311,7 @@ class IngestEventSerializer(serializers.Serializer):
 
 
 class IngestSerializer(serializers.Serializer):
-    source = serializers.RegexField(r"^[A-Za-z0-9_.:-]{1,64}$", help_text="The sender, e.g. node-0.")  # type: ignore[assignment]
+    source = serializers.RegexField(r"^node-[0-9]{1,6}$", help_text="The sending agent's node, e.g. node-0: the bearer token must be that node's.")  # type: ignore[assignment]
     events = IngestEventSerializer(many=True, allow_empty=True, max_length=10000)  # type: ignore[call-arg]
 
 

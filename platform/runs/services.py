@@ -33,7 +33,7 @@ from controlplane.queue import enqueue_on_commit
 from hosts import capacity
 from hosts.models import Host
 from notifications.services import RUN_EVENTS, notify_on_commit
-from runs import executors, launcher, slurm
+from runs import executors, slurm
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run, RunEvent
 from runs.slurm_options import FIELDS as SLURM_FIELDS
 from runs.slurm_options import SlurmOptionError, SlurmOptions
@@ -403,10 +403,6 @@ def do_register_pretrained(
 # --- Runs ------------------------------------------------------------------------------------
 
 
-# Agents' tokens are made and hashed in the launcher; the ingest view checks them with this.
-hash_token = launcher.hash_token
-
-
 def resolve_data(
     spec: RunSpec,
     dataset: Dataset | None,
@@ -560,9 +556,23 @@ _MOVES_FROM = {
 
 
 # What an agent's batch may hold (the API schema says the same: runs.serializers.IngestSerializer).
-SOURCE_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+NODE_SOURCE = re.compile(r"node-([0-9]{1,6})")  # the sender: the node whose token the batch carries
 MAX_BATCH_EVENTS = 10000
 MAX_KIND_LENGTH = 32
+
+
+def check_source(body: Any) -> int:
+    """The node a batch names as its sender (`node-K`): its token must be that node's, so this
+    is checked before the token, and the rest of the batch after."""
+    if not isinstance(body, dict):
+        raise InvalidInput("non_field_errors", 'must be an object {"source": ..., "events": [...]}')
+    source = body.get("source")
+    if source is None:
+        raise InvalidInput("source", "This field is required.")
+    match = NODE_SOURCE.fullmatch(source) if isinstance(source, str) else None
+    if match is None:
+        raise InvalidInput("source", "must be node-K, the sending agent's node (K a node number: node-0, node-1, …)")
+    return int(match[1])
 
 
 def check_ingest_batch(body: Any) -> tuple[str, list[dict[str, Any]]]:
@@ -573,13 +583,8 @@ def check_ingest_batch(body: Any) -> tuple[str, list[dict[str, Any]]]:
     Plain checks, not a serializer per event: at 1,000 points/s a DRF field per value was a
     tenth of the ingest's time, and this runs before any database work.
     """
-    if not isinstance(body, dict):
-        raise InvalidInput("non_field_errors", 'must be an object {"source": ..., "events": [...]}')
-    source = body.get("source")
-    if source is None:
-        raise InvalidInput("source", "This field is required.")
-    if not isinstance(source, str) or not SOURCE_PATTERN.fullmatch(source):
-        raise InvalidInput("source", "must be 1 to 64 letters, digits or _ . : - (the sender, e.g. node-0)")
+    check_source(body)
+    source = body["source"]
     raw_events = body.get("events")
     if raw_events is None:
         raise InvalidInput("events", "This field is required.")

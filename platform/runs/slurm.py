@@ -112,11 +112,12 @@ def _shell(args: Iterable[str], expanded: frozenset[str] = frozenset()) -> str:
     return " ".join(f'"{a}"' if a in expanded else shlex.quote(a) for a in args)
 
 
-def agent_script(run: Run, token: str) -> str:
-    """What srun starts on each node: that node's agent, under its lock. A new launch's agent
-    waits for the lock of a previous launch's agent still stopping (`-w`), as on hosts."""
+def agent_script(run: Run, launch: launcher.Launch) -> str:
+    """What srun starts on each node: that node's agent with its node's token, under its lock. A
+    new launch's agent waits for the lock of a previous launch's agent still stopping (`-w`), as
+    on hosts. The script holds every node's token: the job's nodes share this folder anyway."""
     run_dir = run.run_dir
-    node, rdzv = "$SLURM_NODEID", "$FATHOM_RDZV"
+    node, rdzv, token = "$SLURM_NODEID", "$FATHOM_RDZV", "${FATHOM_NODE_TOKENS[$SLURM_NODEID]}"
     args = launcher.agent_arguments(run, run_dir.path, node, rdzv, token)
     if run.node_count > 1:
         args += ["--host-store", "no"]  # the batch script runs the store
@@ -124,10 +125,12 @@ def agent_script(run: Run, token: str) -> str:
     # cancel is the marker.
     args += ["--sigterm", "stop"]
     lock = shlex.quote(str(run_dir.path)) + '/agent-node"$SLURM_NODEID".lock'
-    command = _shell([settings.TRAINING_PYTHON, "-m", "training.agent", *args], frozenset({node, rdzv}))
+    command = _shell([settings.TRAINING_PYTHON, "-m", "training.agent", *args], frozenset({node, rdzv, f"--run-token={token}"}))
+    tokens = " ".join(launch.token(n) for n in range(run.node_count))
     return (
         "#!/bin/bash\n"
         f"# Node $SLURM_NODEID's agent of Fathom run {run.pk}, started by srun in the run's Slurm job.\n"
+        f"FATHOM_NODE_TOKENS=({tokens})\n"
         f"exec flock -w 90 -E 75 {lock} {command}\n"
     )
 
@@ -221,11 +224,11 @@ exit "$status"
     return "\n".join(lines) + body
 
 
-def write_scripts(run: Run, options: SlurmOptions, token: str) -> Path:
+def write_scripts(run: Run, options: SlurmOptions, launch: launcher.Launch) -> Path:
     """Writes the batch and agent scripts into the run's folder (readable by the owner only:
-    they hold the run token); returns the batch script."""
+    they hold the node tokens); returns the batch script."""
     run_dir = run.run_dir
-    for path, text in ((run_dir.slurm_agent_script, agent_script(run, token)), (run_dir.slurm_job_script, batch_script(run, options))):
+    for path, text in ((run_dir.slurm_agent_script, agent_script(run, launch)), (run_dir.slurm_job_script, batch_script(run, options))):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
         tmp.chmod(0o600)

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,7 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotFound
+from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
@@ -20,7 +19,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.exceptions import InvalidInput
-from runs import access, compare, logs, organise, services
+from hosts.models import DeviceClaim
+from runs import access, compare, launcher, logs, organise, services
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run
 from runs.serializers import (
     CheckpointSerializer,
@@ -308,22 +308,25 @@ class RunEventsView(APIView):
         },
     )
     def post(self, request: Request, run_id: int) -> Response:
-        run = _run_of_token(request, run_id)
+        run = _run_of_token(request, run_id, services.check_source(request.data))
         if run is None:
-            return Response({"detail": "A valid run token is required."}, status=status.HTTP_401_UNAUTHORIZED)
+            return Response({"detail": NODE_TOKEN_REQUIRED.format(what='"source"')}, status=status.HTTP_401_UNAUTHORIZED)
         # IngestSerializer documents the body; plain checks validate it (services.check_ingest_batch says why).
         source, events = services.check_ingest_batch(request.data)
         return Response({"last_seq": services.do_ingest_events(run, source, events)})
 
 
-def _run_of_token(request: Request, run_id: int) -> Run | None:
-    """The run whose agents' bearer token the request carries; None for any other."""
+NODE_TOKEN_REQUIRED = "The bearer token of the node that {what} names, in the run's current launch, is required."
+
+
+def _run_of_token(request: Request, run_id: int, node: int | None) -> Run | None:
+    """The run if the request's bearer token is node `node`'s in its current launch; else None."""
     run = Run.objects.filter(pk=run_id).first()
     auth = request.headers.get("Authorization", "")
     token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-    if run is None or not token or not run.token_hash:
+    if run is None or node is None or not launcher.is_node_token(run, node, token):
         return None
-    return run if hmac.compare_digest(services.hash_token(token), run.token_hash) else None
+    return run
 
 
 class ShippedLogsView(APIView):
@@ -344,12 +347,18 @@ class ShippedLogsView(APIView):
         },
     )
     def post(self, request: Request, run_id: int) -> Response:
-        run = _run_of_token(request, run_id)
+        node = request.data.get("node") if isinstance(request.data, dict) else None
+        run = _run_of_token(request, run_id, node if type(node) is int and node >= 0 else None)
         if run is None:
-            return Response({"detail": "A valid run token is required."}, status=status.HTTP_401_UNAUTHORIZED)
+            return Response({"detail": NODE_TOKEN_REQUIRED.format(what='"node"')}, status=status.HTTP_401_UNAUTHORIZED)
         body = ShippedLogSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         piece = body.validated_data
+        # A node's logs are kept under its host's address: while the node holds devices, that
+        # is the address of the host they are on, not one the sender names.
+        placed = DeviceClaim.objects.filter(run=run, node=piece["node"]).select_related("host").first()
+        if placed is not None and piece["host"] != placed.host.address:
+            raise PermissionDenied(f"host: node {piece['node']} runs on {placed.host.address}; got {piece['host']!r}")
         if logs.shared_with_agent(run, piece["node"], piece["probe"]):
             return Response({"shared": True})
         try:

@@ -8,7 +8,7 @@ import json
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from runs import services
+from runs import launcher
 from runs.models import Checkpoint, Dataset, Run
 
 pytestmark = pytest.mark.django_db
@@ -24,9 +24,7 @@ def upload(api, name: str = "held-out.txt") -> Dataset:
 
 @pytest.fixture
 def run(alice) -> Run:
-    return Run.objects.create(
-        owner=alice, name="r", spec={}, status=Run.Status.RUNNING, token_hash=services.hash_token("agent-token")
-    )
+    return Run.objects.create(owner=alice, name="r", spec={}, status=Run.Status.RUNNING, token_launch=1)
 
 
 def ingest(client, run: Run, events: list[dict]) -> None:
@@ -35,7 +33,7 @@ def ingest(client, run: Run, events: list[dict]) -> None:
         f"/api/runs/{run.pk}/events/",
         data=json.dumps(body),
         content_type="application/json",
-        HTTP_AUTHORIZATION="Bearer agent-token",
+        HTTP_AUTHORIZATION=f"Bearer {launcher.node_token(run.pk, 1, 0)}",
     )
     assert response.status_code == 200, response.content
 

@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
-from runs import services
+from runs import launcher, services
 from runs.models import Run, RunEvent
 
 pytestmark = pytest.mark.django_db
@@ -17,13 +17,18 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def run(alice) -> Run:
-    return Run.objects.create(
-        owner=alice, name="r", spec={}, status=Run.Status.RUNNING, token_hash=services.hash_token("agent-token")
-    )
+    return Run.objects.create(owner=alice, name="r", spec={}, status=Run.Status.RUNNING, token_launch=1)
 
 
 def metrics(seqs) -> list[dict]:
     return [{"seq": s, "kind": "metrics", "time": 1.0e9 + s, "data": {"step": s, "loss": 5.0 - s / 100}} for s in seqs]
+
+
+def token_of_sender(run: Run, body) -> str:
+    """The token of the node the batch names (node 0's where it names none)."""
+    source = body.get("source") if isinstance(body, dict) else None
+    node = int(source[5:]) if isinstance(source, str) and source[5:].isdigit() else 0
+    return launcher.node_token(run.pk, 1, node)
 
 
 def ingest(client, run: Run, body) -> object:
@@ -31,7 +36,7 @@ def ingest(client, run: Run, body) -> object:
         f"/api/runs/{run.pk}/events/",
         data=json.dumps(body),
         content_type="application/json",
-        HTTP_AUTHORIZATION="Bearer agent-token",
+        HTTP_AUTHORIZATION=f"Bearer {token_of_sender(run, body)}",
     )
 
 

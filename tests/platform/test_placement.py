@@ -496,7 +496,8 @@ def test_a_placed_run_that_one_host_never_got_the_start_of_gets_its_launch_sent_
     assert again == sent
     assert Run.objects.get(pk=run_id).launch_attempts == 1
     token = next(arg for arg in sent[f"run-{run_id}-node-1"]["args"] if arg.startswith("--run-token="))
-    assert services.hash_token(token.removeprefix("--run-token=")) == Run.objects.get(pk=run_id).token_hash
+    assert token.removeprefix("--run-token=") == launcher.node_token(run_id, 1, 1)
+    assert Run.objects.get(pk=run_id).token_launch == 1
     # Once every host runs its part, nothing is sent.
     purge_host_queues()
     Host.objects.filter(name="b").update(running=[{"key": f"run-{run_id}-node-1", "pid": 1, "launch": 1}])

@@ -7,7 +7,7 @@ import json
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from runs import services
+from runs import launcher
 from runs.models import Checkpoint, Run
 
 pytestmark = pytest.mark.django_db
@@ -129,10 +129,10 @@ def test_clone_merges_edits_and_validates_them(alice_api):
     assert "tp" in bad.json()["spec"]["layout"]
 
 
-def token_for(run_id: int) -> str:
-    token = "agent-token-" + str(run_id)
-    Run.objects.filter(pk=run_id).update(token_hash=services.hash_token(token))
-    return token
+def token_for(run_id: int, node: int = 0) -> str:
+    """Node `node`'s token in the run's first launch, as `launcher.prepare` makes it current."""
+    Run.objects.filter(pk=run_id).update(token_launch=1)
+    return launcher.node_token(run_id, 1, node)
 
 
 def ingest(client, run_id, token, events, source="node-0"):
@@ -144,7 +144,7 @@ def ingest(client, run_id, token, events, source="node-0"):
     )
 
 
-def test_ingest_needs_the_runs_own_token(client, alice_api):
+def test_ingest_needs_the_token_of_the_node_the_batch_names_in_the_runs_current_launch(client, alice_api):
     first = create_run(alice_api).json()["id"]
     second = create_run(alice_api).json()["id"]
     token = token_for(first)
@@ -152,7 +152,17 @@ def test_ingest_needs_the_runs_own_token(client, alice_api):
     event = [{"seq": 1, "kind": "metrics", "data": {"step": 1, "loss": 5.0}}]
     assert ingest(client, first, "wrong", event).status_code == 401
     assert ingest(client, second, token, event).status_code == 401
+    # Node 0's token speaks for node 0 only: a host holds no token of another host's node.
+    refused = ingest(client, first, token, event, source="node-1")
+    assert refused.status_code == 401
+    assert refused.json()["detail"] == (
+        'The bearer token of the node that "source" names, in the run\'s current launch, is required.'
+    )
+    assert ingest(client, first, token_for(first, node=1), event, source="node-1").status_code == 200
     assert ingest(client, first, token, event).status_code == 200
+    # A new launch's tokens lock out the last one's.
+    Run.objects.filter(pk=first).update(token_launch=2)
+    assert ingest(client, first, token, [{**event[0], "seq": 2}]).status_code == 401
 
 
 def test_ingest_stores_a_redelivered_batch_once_and_keeps_seq_gapless(client, alice_api):
@@ -161,7 +171,8 @@ def test_ingest_stores_a_redelivered_batch_once_and_keeps_seq_gapless(client, al
     batch = [{"seq": i, "kind": "metrics", "time": 1.0 + i, "data": {"step": i, "loss": 5.0 - i / 10}} for i in (1, 2, 3)]
     assert ingest(client, run_id, token, batch).json() == {"last_seq": 3}
     assert ingest(client, run_id, token, batch[1:] + [{"seq": 4, "kind": "metrics", "data": {"step": 4, "loss": 4.5}}]).json() == {"last_seq": 4}
-    assert ingest(client, run_id, token, [{"seq": 1, "kind": "agent_started"}], source="node-1").json() == {"last_seq": 1}
+    node1 = token_for(run_id, node=1)
+    assert ingest(client, run_id, node1, [{"seq": 1, "kind": "agent_started"}], source="node-1").json() == {"last_seq": 1}
     history = alice_api.get(f"/api/runs/{run_id}/events/").json()
     # queued, 3 metrics, the control plane's "status: running", the 4th metrics, node-1's event
     assert [e["seq"] for e in history] == list(range(1, 8))

@@ -91,12 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start-grace-s", type=float, default=START_GRACE_S, help="for the first agent to appear")
     parser.add_argument("--idle-exit-s", type=float, default=IDLE_EXIT_S, help="after the last agent left")
     args = parser.parse_args(argv)
-    host, port = args.endpoint.rsplit(":", 1)
+    port = int(args.endpoint.rsplit(":", 1)[1])
 
     from torch.distributed import TCPStore
 
+    # The server listens on every address of the machine, the endpoint's among them; its own
+    # client, which watches the state, goes over loopback: an address taken off the machine
+    # (a network going down) would leave it waiting for STORE_TIMEOUT.
     store = TCPStore(
-        host, int(port), is_master=True, multi_tenant=True, wait_for_workers=False, timeout=STORE_TIMEOUT
+        "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=STORE_TIMEOUT
     )
     print(f"rendezvous store listening on {args.endpoint}", flush=True)
     state = RendezvousState(store, args.run_id or args.run_dir.name)
