@@ -59,8 +59,8 @@ from bench.stream_client import Stream, request_bytes, stream
 from bench.waiting import free_port
 from serving.state import read_state
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
-from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 from serving.vllm import ReplicaOptions
+from tools.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 # hidden 256 x 4 layers (~4M parameters): the model TORCH-ON-CPU.md measured vLLM on.

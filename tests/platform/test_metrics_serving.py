@@ -12,7 +12,6 @@ import pytest
 
 from deployments.models import Deployment
 from runs.models import Checkpoint, Run
-from serving.tiny_checkpoint import build_tiny_llama
 from tests.platform.test_prometheus_metrics import (  # noqa: F401 (web is a fixture)
     Samples,
     api,
@@ -23,6 +22,7 @@ from tests.platform.test_prometheus_metrics import (  # noqa: F401 (web is a fix
     web,
 )
 from tests.serving.conftest import CHECKPOINT_CACHE
+from tools.tiny_checkpoint import build_tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -21,7 +21,7 @@ from deployments import openai_endpoint
 from deployments.models import ApiKey, Deployment
 from deployments.usage import USAGE
 from runs.models import Checkpoint, Run
-from serving.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
+from tools.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 
 # transaction=True: the app drops the database connection after each key lookup, as Django does
 # after a request, which a test wrapped in one transaction would not survive.

@@ -23,9 +23,9 @@ from deployments.models import ApiKey, Deployment
 from deployments.usage import FLUSH_S
 from runs.models import Checkpoint, Run
 from serving.supervisor import DeploymentConfig, launch_detached, read_state, request_stop
-from serving.tiny_checkpoint import build_tiny_llama
 from serving.vllm import ReplicaOptions
 from tests.serving.conftest import CHECKPOINT_CACHE, process_alive, wait_until
+from tools.tiny_checkpoint import build_tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 

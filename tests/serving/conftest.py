@@ -18,9 +18,9 @@ import pytest
 
 from serving.state import read_state
 from serving.supervisor import DeploymentConfig, launch_detached, request_stop
-from serving.tiny_checkpoint import build_tiny_llama
 from serving.vllm import ReplicaOptions
 from tests.ports import free_port
+from tools.tiny_checkpoint import build_tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
 # The checkpoint takes ~20 s to build; it is reused across runs while its spec is unchanged.

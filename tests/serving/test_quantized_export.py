@@ -23,9 +23,9 @@ from serving.quality import Choices, next_token_choices, top1_agreement
 from serving.quantize import SUMMARY_FILE, folder_size
 from serving.state import read_events, read_state
 from serving.supervisor import DeploymentConfig, launch_detached
-from serving.tiny_checkpoint import TinyLlamaSpec, generated_text
 from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, replica_dtype
 from tests.serving.conftest import REPO, process_alive, start_deployment, wait_until
+from tools.tiny_checkpoint import TinyLlamaSpec, generated_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

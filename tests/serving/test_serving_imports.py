@@ -16,7 +16,6 @@ MODULES = [
     "serving.errors",
     "serving.metrics",
     "serving.app",
-    "serving.tiny_checkpoint",
     "serving.export_store",
     "serving.quantize",
     "serving.quality",

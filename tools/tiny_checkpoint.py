@@ -8,8 +8,8 @@ trained for a few hundred steps on the same text so that its next-token distribu
 peaked: with random weights the top two logits sit ~1e-6 apart and greedy decoding in two
 float32 engines would part ways on rounding alone, which tests nothing useful.
 
-Development helper: torch and transformers are imported inside `build_tiny_llama`, never when
-`serving` is imported.
+A development helper (tools/, not the product's serving package): torch and transformers are
+imported inside `build_tiny_llama`.
 """
 
 from __future__ import annotations
