@@ -5,6 +5,11 @@ process (uvicorn: HTTP + websockets), a Celery worker, Celery beat and one host 
 machine (`python -m hostworker`, joined with a join token kept in the data folder) until Ctrl-C. Unless
 FATHOM_DEMO=0, it also launches the demo training run and, when that succeeds, deploys its
 final checkpoint to a vLLM replica and prints how to chat with it.
+
+Ctrl-C stops what it started: every run is cancelled (its last checkpoint kept) and every
+deployment stopped (`manage.py stop_work`) while the worker and host worker still run to do it,
+then the processes go. The processes are in process groups of their own, so the terminal's
+Ctrl-C reaches only this one, which decides the order. A second Ctrl-C skips the waiting.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def start(name: str, command: list[str], env: dict[str, str], cwd: Path = REPO /
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     log = (data_dir / "logs" / f"{name}.log").open("ab")
     print(f"  {name:<7} logs to {log.name}")
-    return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
 
 
 def wait_for_web(process: subprocess.Popen) -> None:
@@ -101,6 +106,17 @@ def main() -> None:
         run_demo(URL, login)
 
     def shutdown(*_: object) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C skips the wait
+        if all(process.poll() is None for process in processes):
+            print("\nStopping every run and deployment (Ctrl-C again to skip) ...", flush=True)
+            try:
+                print(manage("stop_work", "--wait", "90"), flush=True)
+            except (KeyboardInterrupt, subprocess.CalledProcessError):
+                print(
+                    "Not waited for: runs and deployments that were active keep running; start Fathom "
+                    "again and stop them, or end their processes (pgrep -af 'training.agent|serving.supervisor').",
+                    flush=True,
+                )
         for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
