@@ -1,4 +1,5 @@
-"""What every REST endpoint shares: strict paging and a 409 for a change the state refuses.
+"""What every REST endpoint shares: strict paging, a 409 for a change the state refuses, the
+caller's own objects and an event history page.
 
 controlplane/schema.py documents both; DRF's settings name this module, so it imports nothing
 that imports DRF's views (that would be circular).
@@ -9,9 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import models
+from django.db.models import QuerySet
 from rest_framework import exceptions, serializers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
+from rest_framework.response import Response
 
 # The largest page a list answers. The dashboard asks for 100 rows; larger pages only let one
 # request read a whole table (and a limit past SQLite's 64-bit LIMIT used to be a 500).
@@ -84,3 +87,24 @@ class ModelSerializer(serializers.ModelSerializer):
         models.CharField: Text,
         models.TextField: Text,
     }
+
+
+# The most events one history request returns; clients page on with ?after=<last seq>.
+HISTORY_PAGE = 5000
+
+
+def events_after_response(request: Request, events: QuerySet[Any], serializer: type[serializers.Serializer]) -> Response:
+    """`?after=SEQ` history of a run's or a deployment's events, in order."""
+    try:
+        after = int(request.query_params.get("after", 0))
+    except ValueError:
+        return Response({"after": ["must be an integer"]}, status=400)
+    page = events.filter(seq__gt=after).order_by("seq")[:HISTORY_PAGE]
+    return Response(serializer(page, many=True).data)
+
+
+def owned(view: Any, queryset: QuerySet[Any], owner_field: str = "owner") -> QuerySet[Any]:
+    """The caller's own objects; no objects while the schema generator inspects the view."""
+    if getattr(view, "swagger_fake_view", False):
+        return queryset.none()
+    return queryset.filter(**{owner_field: view.request.user})

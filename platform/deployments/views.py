@@ -14,6 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.api import events_after_response, owned
 from controlplane.exceptions import InvalidInput, WrongState
 from deployments import services, shipped
 from deployments.models import ApiKey, Deployment
@@ -24,7 +25,6 @@ from deployments.serializers import (
     NewApiKeySerializer,
     ShippedPieceSerializer,
 )
-from runs.views import events_after_response, owned
 
 # Lines of a replica's log the start-up panel shows: the last screenful of vLLM's progress.
 LOG_LINES_DEFAULT = 40

@@ -7,9 +7,9 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from controlplane.api import owned
 from notifications.models import Webhook
 from notifications.serializers import DeliverySerializer, WebhookSerializer
-from runs.views import owned
 
 # Deliveries a webhook's list shows: the recent ones, where a failure is noticed.
 RECENT_DELIVERIES = 50

@@ -18,6 +18,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.api import events_after_response, owned
 from controlplane.exceptions import InvalidInput
 from hosts.models import DeviceClaim
 from runs import access, compare, launcher, logs, organise, services
@@ -52,27 +53,6 @@ CHECKPOINT_ORDERING = OpenApiParameter(
 def _method(view: APIView) -> str | None:
     # The schema generator builds views without a request.
     return getattr(view.request, "method", None)
-
-
-# The most events one history request returns; clients page on with ?after=<last seq>.
-HISTORY_PAGE = 5000
-
-
-def events_after_response(request: Request, events: QuerySet[Any], serializer: type[serializers.Serializer]) -> Response:
-    """`?after=SEQ` history of a run's or a deployment's events, in order."""
-    try:
-        after = int(request.query_params.get("after", 0))
-    except ValueError:
-        return Response({"after": ["must be an integer"]}, status=400)
-    page = events.filter(seq__gt=after).order_by("seq")[:HISTORY_PAGE]
-    return Response(serializer(page, many=True).data)
-
-
-def owned(view: Any, queryset: QuerySet[Any], owner_field: str = "owner") -> QuerySet[Any]:
-    """The caller's own objects; no objects while the schema generator inspects the view."""
-    if getattr(view, "swagger_fake_view", False):
-        return queryset.none()
-    return queryset.filter(**{owner_field: view.request.user})
 
 
 @extend_schema_view(

@@ -64,3 +64,17 @@ def test_the_tasks_the_domain_queues_by_name_exist() -> None:
     queued = {"runs.tasks.launch_run", "runs.tasks.export_checkpoint", "deployments.tasks.start_deployment",
               "deployments.tasks.stop_deployment"}  # fmt: skip
     assert queued <= set(app.tasks)
+
+
+def test_no_app_imports_another_apps_views() -> None:
+    """Views are entry points: what two apps' views share lives in controlplane (api.py), and
+    only the URL root routes to every app's views."""
+    crossing = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if target.rpartition(".")[2] == "views"
+        and target.split(".")[0] != module.split(".")[0]
+        and module != "controlplane.urls"
+    )
+    assert crossing == []
