@@ -1,15 +1,18 @@
 """What a run needs of the cluster and whether the registered hosts could ever hold it.
 
-Only `hosts.models` is imported here, so `runs.services` can refuse a run that can never fit at
-submit without importing the scheduler (which records run events through `runs.services`).
+Only the models are imported here, so `runs.services` can refuse a run that can never fit at
+submit, and give back an ended run's devices, without importing the scheduler (which records run
+events through `runs.services`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from hosts.models import DeviceClaim, Host
+from runs.models import Run
 
 KINDS = ("gpu", "cpu")
 
@@ -70,7 +73,25 @@ def cluster_exists() -> bool:
     return Host.objects.exists()
 
 
-def release(run_id: int) -> int:
-    """Gives back a run's devices when it ends; returns how many (0: it held none)."""
-    deleted, _ = DeviceClaim.objects.filter(run_id=run_id).delete()
+# How a host worker names a run's node agent in what it reports it runs (`runs.launcher.agent_key`).
+AGENT_KEY = re.compile(r"^run-(\d+)-node-\d+$")
+
+
+def agents_on(host: Host) -> set[int]:
+    """The runs whose node agent the host's last beat says it runs."""
+    return {int(m.group(1)) for p in host.running if (m := AGENT_KEY.match(str(p.get("key", ""))))}
+
+
+def release(run_ids: list[int] | None = None) -> int:
+    """Gives back the devices of ended runs (these, or all) that nothing of them can hold any
+    more: on a host that is lost, or whose last beat lists no agent of the run. A run's end is
+    reported by its agents while they still run (their ranks exit, their last events and logs
+    go out), so its devices stay claimed until their host's next beat says they are gone: no new
+    work is placed where an old agent or rank may still run. Returns how many were given back."""
+    ended = DeviceClaim.objects.filter(run__status__in=Run.FINISHED)
+    if run_ids is not None:
+        ended = ended.filter(run_id__in=run_ids)
+    claims = list(ended.select_related("host").only("pk", "run_id", "host__status", "host__running"))
+    gone = [c.pk for c in claims if c.host.status == Host.Status.LOST or c.run_id not in agents_on(c.host)]
+    deleted, _ = DeviceClaim.objects.filter(pk__in=gone).delete()
     return deleted

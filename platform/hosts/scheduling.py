@@ -23,7 +23,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from controlplane.events import publish_on_commit
-from hosts.capacity import KINDS, Need, devices_word, need_of
+from hosts.capacity import KINDS, Need, devices_word, need_of, release
 from hosts.models import DeviceClaim, Host
 from runs import launcher, services
 from runs.models import Run, RunEvent
@@ -48,9 +48,11 @@ def orphans_on(host: Host, held: set[tuple[int, int]] | None = None) -> list[str
 
 
 def release_ended_claims(hosts: list[Host]) -> None:
-    """Gives back the devices of stopped and failed deployments once nothing of them can hold
-    them: their host is lost, or its last beat lists no supervisor of theirs. Until then a
-    device stays claimed, so no new work is placed where an old replica may still run."""
+    """Gives back the devices of ended runs (`capacity.release`) and of stopped and failed
+    deployments once nothing of them can hold them: their host is lost, or its last beat lists
+    no agent or supervisor of theirs. Until then a device stays claimed, so no new work is
+    placed where an old rank or replica may still run."""
+    release()
     by_id = {h.pk: h for h in hosts}
     running = {h.pk: supervisors_on(h) for h in hosts}
     ended = DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"])
@@ -211,8 +213,7 @@ def schedule() -> list[int]:
         hosts = list(Host.objects.select_for_update().order_by("pk"))
         if not hosts:
             return placed
-        # Devices of runs that ended go back (normally done when they end; this catches the rest).
-        DeviceClaim.objects.filter(run__status__in=Run.FINISHED).delete()
+        # Devices of runs and deployments that ended go back once nothing of them runs.
         release_ended_claims(hosts)
         this = Pass(hosts)
         queue = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).order_by(

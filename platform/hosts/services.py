@@ -68,6 +68,10 @@ def do_remove(host: Host) -> None:
     log.info("host %s removed", host.name)
 
 
+def _keys(running: list[Any]) -> set[str]:
+    return {str(p.get("key")) for p in running if isinstance(p, dict)}
+
+
 def do_heartbeat(
     name: str,
     address: str,
@@ -98,6 +102,8 @@ def do_heartbeat(
         else:
             came_back = host.status == Host.Status.LOST
             grew = host.devices != devices or host.address != address
+            # An agent or supervisor that exited may leave devices its ended work still held.
+            exited = _keys(host.running) - _keys(running)
             host.cores, host.cpu_flags = cores, cpu_flags or []
             host.address, host.devices, host.labels, host.running, host.last_seen = (
                 address,
@@ -110,9 +116,9 @@ def do_heartbeat(
                 host.status = Host.Status.READY
                 log.info("host %s is back after being lost", name)
             host.save()
-            if not (came_back or grew):
+            if not (came_back or grew or exited):
                 return host
-        # New devices: queued runs may fit now.
+        # New or freed devices: queued runs may fit now.
         enqueue_on_commit("hosts.tasks.schedule_runs")
     return host
 

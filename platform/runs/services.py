@@ -520,8 +520,9 @@ def do_set_status(run: Run, status: str, reason: str = "", *, only_from: Iterabl
 
 
 def _release_devices(run: Run) -> None:
-    """A run that ended gives its hosts' devices back, and queued runs are offered them."""
-    if capacity.release(run.pk):
+    """A run that ended gives back the devices nothing of it holds any more, and queued runs are
+    offered them; the rest go back once their hosts' beats say its agents are gone."""
+    if capacity.release([run.pk]):
         enqueue_on_commit("hosts.tasks.schedule_runs")
 
 

@@ -280,6 +280,31 @@ def test_a_lost_host_is_a_lost_node_the_run_goes_on_without_or_resumes_from_when
     assert run.status_reason == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 1 free"
 
 
+def test_an_ended_runs_devices_go_to_new_work_only_once_its_hosts_no_longer_run_its_agents(
+    alice_api, two_hosts, django_capture_on_commit_callbacks
+):
+    first = submit(alice_api, "first", DP2_TWO_NODES).json()["id"]
+    assert schedule_and_start() == [first]
+    agents = {"a": f"run-{first}-node-0", "b": f"run-{first}-node-1"}
+    for name, key in agents.items():
+        Host.objects.filter(name=name).update(running=[{"key": key, "pid": 1, "launch": 1}])
+    second = submit(alice_api, "second", DP2_TWO_NODES).json()["id"]
+    # The agents report the run's end while they, and their ranks, still exit.
+    services.do_set_status(Run.objects.get(pk=first), Run.Status.SUCCEEDED)
+    assert DeviceClaim.objects.filter(run_id=first).count() == 2
+    assert schedule_and_start() == []
+    # Host a's beat no longer lists its agent, and queues a pass: a's device goes back there, b's
+    # stays with the old run.
+    purge_broker()
+    with django_capture_on_commit_callbacks(execute=True):
+        host_services.do_heartbeat("a", "10.9.0.11", [{"index": 0, "kind": "cpu"}], {}, [])
+    assert [m["headers"]["task"] for m in _queued_messages("celery")] == ["hosts.tasks.schedule_runs"]
+    assert schedule_and_start() == []
+    assert list(DeviceClaim.objects.filter(run_id=first).values_list("host__name", flat=True)) == ["b"]
+    Host.objects.filter(name="b").update(running=[])
+    assert schedule_and_start() == [second]
+
+
 def test_losing_node_0s_host_is_losing_a_node_like_any_other(alice_api, two_hosts, settings):
     settings.HOST_LOST_AFTER_SECONDS = 15
     elastic = {**DP2_TWO_NODES, "nodes": {"min": 1, "max": 2, "nproc_per_node": 1}}
