@@ -3,8 +3,9 @@ Ctrl-C does before it stops the web, worker and host processes.
 
 Runs are cancelled (each keeps its last checkpoint and can be resumed) and deployments stopped
 through the same services as the API, so the worker and the host workers, still running, do the
-work: agents stop their ranks, supervisors their replicas. It waits until nothing is active or
-`--wait` seconds have passed, and names what still runs then.
+work: agents stop their ranks, supervisors their replicas. It waits until nothing is active and
+every device they held is given back (which happens once the hosts report their processes gone),
+or `--wait` seconds have passed, and names what still runs then.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from argparse import ArgumentParser
 from typing import Any
 
 from django.core.management.base import BaseCommand
+from django.db.models import Q
 
 from deployments import services as deployment_services
 from deployments.models import Deployment
+from hosts.models import DeviceClaim
 from runs import services as run_services
 from runs.models import Run
 
@@ -45,6 +48,8 @@ class Command(BaseCommand):
                 f"deployment {d.pk} ({d.name}, {d.status})"
                 for d in Deployment.objects.filter(status__in=[*Deployment.ACTIVE, Deployment.Status.STOPPING])
             ]
+            held = DeviceClaim.objects.filter(Q(run__in=runs) | Q(deployment__in=deployments))
+            left += [f"device {claim} (its process is exiting)" for claim in held.select_related("host")]
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(POLL_SECONDS)
