@@ -154,7 +154,7 @@ def store_running_here(run: Run, launch: int) -> bool:
 
 
 # What a host worker's start_process replaces with the process's folder on that host
-# (hostworker.processes.FOLDER; the control plane imports nothing of the host worker).
+# (hostworker.processes.FOLDER, written out: the control plane sends tasks to host workers by name).
 HOST_FOLDER = "{folder}"
 
 
