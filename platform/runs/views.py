@@ -324,6 +324,7 @@ class ShippedLogsView(APIView):
                 {"offset": serializers.IntegerField(required=False), "shared": serializers.BooleanField(required=False)},
             ),
             401: inline_serializer("ShippedLogRunTokenRequired", {"detail": serializers.CharField()}),
+            403: inline_serializer("ShippedLogNotFromItsHost", {"detail": serializers.CharField()}),
         },
     )
     def post(self, request: Request, run_id: int) -> Response:
