@@ -93,6 +93,9 @@ def test_a_run_launched_from_the_form_draws_its_loss_live_and_shows_the_restart_
     page.add_init_script(RECORD_LOSS_POINTS)
     log_in(page, live_web.url, "alice", "alice-password-1")
     page.get_by_role("link", name="New run").first.click()
+    # The form's script runs (it fills the placeholders): a file set before it listens is not
+    # uploaded (CI saw the status stay empty on a loaded machine).
+    expect(page.get_by_label("Steps", exact=True)).to_have_attribute("placeholder", re.compile(r"\d"))
 
     corpus = tmp_path / "stories.txt"
     corpus.write_text(STORY)
