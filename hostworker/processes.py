@@ -70,9 +70,11 @@ def interface_of(address: str) -> str | None:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """A reader (an agent of an earlier launch, a rank restarting) sees the old file or the new one."""
+    """A reader (an agent of an earlier launch, a rank restarting) sees the old file or the new one.
+    The temporary file is this writer's own: host workers that share a data folder write a run's
+    spec into one folder at once (CI saw one's rename take the other's temporary file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
 

@@ -37,9 +37,13 @@ class Network:
     def address(self, index: int) -> str:
         return f"{self.prefix}.{11 + index}"
 
+    def veth(self, index: int) -> str:
+        """The bridge's end of namespace `index`'s link."""
+        return f"fv{index}{self.bridge[-3:]}"
+
     def add_namespace(self) -> str:
         index = len(self.namespaces)
-        name, veth = f"fathom-h{index}-{self.bridge[-3:]}", f"fv{index}{self.bridge[-3:]}"
+        name, veth = f"fathom-h{index}-{self.bridge[-3:]}", self.veth(index)
         ip("netns", "add", name)
         self.namespaces.append(name)
         ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
@@ -79,9 +83,13 @@ class Network:
         return len(pids)
 
     def teardown(self) -> None:
-        for name in self.namespaces:
+        for index, name in enumerate(self.namespaces):
             self.kill_everything_in(name)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            # A namespace lives on while a killed process is still on its way out, and its link
+            # with it: the next network's namespace of the same index could not be linked (CI).
+            # Deleting the bridge's end removes the pair at once.
+            subprocess.run(["ip", "link", "del", self.veth(index)], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
 
 
