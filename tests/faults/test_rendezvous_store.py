@@ -12,6 +12,15 @@ from tests.faults.harness import ROOT, free_port, wait_for
 from training.agent.rendezvous_store import held_flocks
 
 
+def start_store(endpoint: str, run_dir: Path, *args: str) -> subprocess.Popen:
+    """The store with a 60 s start grace; its output readable line by line."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "training.agent.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(run_dir),
+         "--start-grace-s", "60", *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
 def test_held_flocks_reads_proc_locks_and_skips_waiters() -> None:
     text = (
         "1: FLOCK  ADVISORY  WRITE 23678 fe:00:2146486 0 EOF\n"
@@ -27,11 +36,7 @@ def test_the_store_lives_while_an_agent_holds_its_lock_and_leaves_after(tmp_path
     # Stands in for an agent under the launcher's flock: holds the lock until its stdin closes.
     agent = subprocess.Popen(["flock", "-n", str(lock), "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     endpoint = f"127.0.0.1:{free_port()}"
-    store = subprocess.Popen(
-        [sys.executable, "-m", "training.agent.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(tmp_path),
-         "--start-grace-s", "60", "--idle-exit-s", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    store = start_store(endpoint, tmp_path, "--idle-exit-s", "1")
     try:
         assert store.stdout is not None and agent.stdin is not None
         assert f"listening on {endpoint}" in store.stdout.readline()
@@ -69,11 +74,7 @@ handler.shutdown()
 
 def test_the_store_lives_while_agents_elsewhere_keep_the_rendezvous_alive_and_leaves_after(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    store = subprocess.Popen(
-        [sys.executable, "-m", "training.agent.rendezvous_store", "--endpoint", endpoint, "--run-dir", str(tmp_path),
-         "--run-id", "run-7", "--start-grace-s", "60", "--idle-exit-s", "3"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    store = start_store(endpoint, tmp_path, "--run-id", "run-7", "--idle-exit-s", "3")
     agent = None
     try:
         assert store.stdout is not None
