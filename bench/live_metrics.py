@@ -44,7 +44,7 @@ SETUP = """
 from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 from runs.models import Run
-from runs.launcher import node_token
+from launch.run_agents import node_token
 user, _ = get_user_model().objects.get_or_create(username="bench")
 runs = [Run.objects.create(owner=user, name=f"bench-{i}", spec={}, status="running", token_launch=1) for i in range(N)]
 print(Token.objects.get_or_create(user=user)[0].key, *[f"{r.pk}:{node_token(r.pk, 1, 0)}" for r in runs])

@@ -10,7 +10,7 @@ machine's). Medians are printed. Needs root and iproute2 (tools/netns.py).
 Then gang placement at scale: one scheduling pass over 10,000 queued runs and 1,000 registered
 hosts (rows only: no process starts), devices of mixed sizes, needs of mixed shapes.
 
-The pass is `hosts.scheduling.schedule()` as the launch task and beat run it: one transaction,
+The pass is `hosts.scheduling.schedule(RUNS_SIDE)` as the launch task and beat run it: one transaction,
 host rows locked, runs offered the free devices in priority then FIFO order. It is timed twice:
 the first pass over the fresh queue (it places what fits and writes every waiting reason) and a
 second one over what is left (nothing changed: what beat pays every few seconds). Double booking
@@ -74,6 +74,7 @@ def main() -> None:
 
     from hosts.models import DeviceClaim, Host
     from hosts.scheduling import schedule
+    from hosts.tasks import RUNS_SIDE
     from runs.models import Run
 
     rng = random.Random(15)
@@ -105,7 +106,7 @@ def main() -> None:
     timings = []
     for name in ("first", "second"):
         started = time.perf_counter()
-        placed = schedule()
+        placed = schedule(RUNS_SIDE)
         elapsed_ms = (time.perf_counter() - started) * 1000
         timings.append(elapsed_ms)
         print(f"{name} pass: {elapsed_ms:.0f} ms, placed {len(placed)} runs")

@@ -39,10 +39,11 @@ import httpx
 
 from bench.waiting import wait
 from hostworker.devices import cpu_flags
+from serving.deployment_config import DeploymentConfig
 from serving.quality import Scores, held_out_prompts, score_prompts, top1_agreement
 from serving.quantize import folder_size
 from serving.state import read_events, read_state
-from serving.supervisor import DeploymentConfig, launch_detached, request_stop
+from serving.supervisor import launch_detached, request_stop
 from serving.vllm import DeviceInfo, ReplicaOptions, replica_dtype
 from tools.check_parity import launch
 from training.config import small
@@ -147,7 +148,7 @@ def serve_and_measure(
     options = dataclasses.replace(options, dtype=replica_dtype(options, DeviceInfo(kind="cpu", cpu_flags=frozenset(cpu_flags()))))
     state_dir = work / f"serve-{quantization}"
     # owner_pid: a bench killed by a timeout takes its replica with it.
-    config = DeploymentConfig(name="measured", checkpoint=str(export), state_dir=str(state_dir), python=VLLM_PYTHON,
+    config = DeploymentConfig(name="measured", export=str(export), state_dir=str(state_dir), python=VLLM_PYTHON,
                               replicas=1, options=options, ready_timeout_s=900, owner_pid=os.getpid())  # fmt: skip
     supervisor = launch_detached(config)
     try:

@@ -57,8 +57,9 @@ import uvloop
 
 from bench.stream_client import Stream, request_bytes, stream
 from bench.waiting import free_port
+from serving.deployment_config import DeploymentConfig
 from serving.state import read_state
-from serving.supervisor import DeploymentConfig, launch_detached, request_stop
+from serving.supervisor import launch_detached, request_stop
 from serving.vllm import ReplicaOptions
 from tools.tiny_checkpoint import TinyLlamaSpec, build_tiny_llama
 
@@ -258,7 +259,7 @@ def main() -> None:
     router_cores, replica_cores = _placement()
     config = DeploymentConfig(
         name="bench",
-        checkpoint=str(checkpoint),
+        export=str(checkpoint),
         state_dir=str(state_dir),
         python=_vllm_python(),
         replicas=1,

@@ -6,7 +6,7 @@ The `small` recipe (`--recipe tiny` for a quick check of the bench itself) as a 
 defaults), every figure on the wall clock:
 
 1. One process. Fathom: the product's launch path, `python -m training.agent` with the control
-   plane's arguments (platform/runs/launcher.py: `--rdzv-endpoint`, `--events-url`, `--run-token`,
+   plane's arguments (platform/launch/run_agents.py: `--rdzv-endpoint`, `--events-url`, `--run-token`,
    OMP_NUM_THREADS=1). So the rank runs with its heartbeat thread and its events file; the node
    agent watches it (watchdog, warm standby) and its reporter tails the events, spools them
    (fsync) and POSTs them to an ingest endpoint on loopback that answers like the control plane's

@@ -55,11 +55,5 @@ def slot_cores(slots: list[int], slot_count: int, cores: list[int]) -> list[list
     return [[cores[(slot * share + i) % len(cores)] for i in range(share)] for slot in slots]
 
 
-def cores_text(per_slot: list[list[int]]) -> str:
-    """FATHOM_CPU_CORES: the cores of each claimed slot, in claim order ("0,1;2,3"), which a node
-    agent gives its local ranks and a replica supervisor its replicas, one slot each."""
-    return ";".join(",".join(map(str, cores)) for cores in per_slot)
-
-
 def detect(cpu_slot_count: int) -> list[dict[str, Any]]:
     return gpus() or cpu_slots(cpu_slot_count)

@@ -21,7 +21,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hostworker.config import REPO_DIR, HostConfig
-from hostworker.devices import cores_text, slot_cores, usable_cores
+from hostworker.devices import slot_cores, usable_cores
+from hostworker.started_environment import CPU_CORES, HOST_NAME, cores_text
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class Processes:
     def environment(self, devices: list[int], device_kind: str) -> dict[str, str]:
         env = dict(os.environ, PYTHONPATH=str(REPO_DIR), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env.pop("FATHOM_JOIN_TOKEN", None)  # the cluster's secret stays with the host worker
-        env["FATHOM_HOST_NAME"] = self.config.name  # what an agent calls its host in its events
+        env[HOST_NAME] = self.config.name  # what an agent calls its host in its events
         if device_kind == "gpu":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         else:
@@ -113,7 +114,7 @@ class Processes:
             env["FATHOM_CPU_SLOTS"] = ",".join(str(d) for d in devices)
             if devices:
                 per_slot = self.slot_cores(devices)
-                env["FATHOM_CPU_CORES"] = cores_text(per_slot)
+                env[CPU_CORES] = cores_text(per_slot)
                 # A rank or replica computes on its slot's cores, unless the operator chose a count.
                 env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(len(per_slot[0])))
         if not self.config.address.startswith("127.") and (interface := interface_of(self.config.address)):

@@ -151,11 +151,11 @@ def freeze_startup_objects() -> None:
 
 def app_for_deployment(state_dir: str | Path) -> ASGIApp:
     """An app routing to the deployment whose supervisor writes to `state_dir`."""
-    from serving.supervisor import DeploymentConfig
+    from serving.deployment_config import DeploymentConfig
 
     config = DeploymentConfig.from_dict(json.loads(DeploymentDir(Path(state_dir)).config_file.read_text()))
     gateway = deployment_gateway(
-        name=config.name, max_model_len=config.options.max_model_len, checkpoint=config.checkpoint, state_dir=state_dir
+        name=config.name, max_model_len=config.options.max_model_len, checkpoint=config.export, state_dir=state_dir
     )
     return create_app(gateway)
 

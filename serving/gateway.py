@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serving.errors import OpenAIError, invalid_request
+from serving.openai_errors import OpenAIError, invalid_request
 from serving.openai_requests import PromptCounter, ServedModel, check_request, request_weight
 from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
 

@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from serving.errors import OpenAIError, invalid_request, model_not_found
+from serving.openai_errors import OpenAIError, invalid_request, model_not_found
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}

@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from serving.errors import OpenAIError, no_replica_available, normalize_error_body, upstream_failed, upstream_timeout
+from serving.openai_errors import (
+    OpenAIError,
+    no_replica_available,
+    normalize_error_body,
+    upstream_failed,
+    upstream_timeout,
+)
 from serving.replica_http import BackendBrokeOff, BackendTimeout, BackendUnavailable, ReplicaPool
 from serving.state import read_state, state_files
 

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from training.field_error import FieldError
+
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # none: serve the checkpoint as stored. int8_weight_only: W8A16. int8_w8a8: int8 weights and
@@ -68,18 +70,11 @@ _PARSER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 REPLICA_SITE = Path(__file__).resolve().parent / "replica_site"
 
 
-class OptionError(ValueError):
+class OptionError(FieldError):
     """A replica option that is not allowed; `field` names it as a form or an API client shows it."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
-
-def _require(condition: bool, field: str, message: str) -> None:
-    if not condition:
-        raise OptionError(field, message)
+_require = OptionError.require
 
 
 def _is_int(value: Any) -> bool:

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from training.field_error import FieldError
+
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16"]
@@ -25,18 +27,11 @@ FaultKind = Literal[
 ]
 
 
-class SpecError(ValueError):
+class SpecError(FieldError):
     """A spec value that is not allowed; `field` is its dotted path in the spec."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
-
-def _require(condition: bool, field: str, message: str) -> None:
-    if not condition:
-        raise SpecError(field, message)
+_require = SpecError.require
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:

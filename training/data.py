@@ -279,26 +279,23 @@ def _sha256(*paths: Path) -> str:
     return digest.hexdigest()
 
 
-def dataset_cache_root(work_dir: Path) -> Path:
-    """Where this host keeps datasets downloaded from object storage: its own data folder (the
-    host worker passes FATHOM_DATA_DIR on to agents and ranks), else the run's data folder."""
-    data_dir = os.environ.get("FATHOM_DATA_DIR")
-    return Path(data_dir) / "cache" if data_dir else work_dir / "cache"
-
-
-def _local_dataset(dataset: str, work_dir: Path) -> Path:
+def _local_dataset(dataset: str, work_dir: Path, download_cache: Path | None) -> Path:
     """A dataset on object storage is read from this host's checked copy; a file, where it is."""
     if local_root(dataset) is None:
-        return fetch_dataset(dataset, dataset_cache_root(work_dir))
+        return fetch_dataset(dataset, download_cache or work_dir / "cache")
     return Path(dataset)
 
 
-def prepare_data(cfg: DataConfig, vocab_size: int, seq_len: int, work_dir: Path) -> PreparedData:
-    """Makes sure `work_dir` holds the tokenizer and the token file; safe to call from every rank."""
+def prepare_data(
+    cfg: DataConfig, vocab_size: int, seq_len: int, work_dir: Path, download_cache: Path | None = None
+) -> PreparedData:
+    """Makes sure `work_dir` holds the tokenizer and the token file; safe to call from every rank.
+    Datasets on object storage are downloaded into `download_cache` (the agent names its
+    machine's, `RankEnvironment.download_cache`), else into `work_dir`'s cache."""
     work_dir.mkdir(parents=True, exist_ok=True)
     with (work_dir / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        dataset = _local_dataset(cfg.dataset, work_dir) if cfg.dataset else demo_corpus.write(work_dir / "demo.txt")
+        dataset = _local_dataset(cfg.dataset, work_dir, download_cache) if cfg.dataset else demo_corpus.write(work_dir / "demo.txt")
         tokenizer_dir = work_dir / "tokenizer"
         if cfg.tokenizer:
             given = Path(cfg.tokenizer)
@@ -324,7 +321,7 @@ def prepare_data(cfg: DataConfig, vocab_size: int, seq_len: int, work_dir: Path)
         validation_path = None
         if cfg.validation_dataset:
             validation_path = _tokenized(
-                _local_dataset(cfg.validation_dataset, work_dir), tokenizer, tokenizer_dir, template, work_dir, dtype
+                _local_dataset(cfg.validation_dataset, work_dir, download_cache), tokenizer, tokenizer_dir, template, work_dir, dtype
             )
     return PreparedData(
         tokenizer_dir=tokenizer_dir, tokens_path=tokens_path, dtype=dtype, validation_tokens_path=validation_path

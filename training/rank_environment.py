@@ -25,6 +25,7 @@ HEARTBEAT_INTERVAL = "FATHOM_HEARTBEAT_INTERVAL"
 EVENTS_FILE = "FATHOM_EVENTS_FILE"
 ERROR_FILE = "FATHOM_ERROR_FILE"
 STOP_REQUEST_FILE = "FATHOM_STOP_REQUEST_FILE"
+DOWNLOAD_CACHE = "FATHOM_DOWNLOAD_CACHE"
 
 # Failures that no restart can cure: the same input fails the same way on every attempt.
 ErrorClass = Literal["data", "spec", "tokenizer"]
@@ -73,6 +74,9 @@ class RankEnvironment:
     # Where a scheduler asks the ranks to checkpoint at their next step and stop
     # (`RunDir.stop_request`); None where nobody asks, and the ranks then spend nothing looking.
     stop_request_file: Path | None = None
+    # Where datasets on object storage are downloaded and checked, once a machine; None: the
+    # run's data folder (a rank started without an agent).
+    download_cache: Path | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnvironment | None:
@@ -90,6 +94,7 @@ class RankEnvironment:
             events_file=Path(env.get(EVENTS_FILE, str(RunDir(run_dir).events_file))),
             error_file=Path(env[ERROR_FILE]) if env.get(ERROR_FILE) else None,
             stop_request_file=Path(env[STOP_REQUEST_FILE]) if env.get(STOP_REQUEST_FILE) else None,
+            download_cache=Path(env[DOWNLOAD_CACHE]) if env.get(DOWNLOAD_CACHE) else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -102,4 +107,5 @@ class RankEnvironment:
             EVENTS_FILE: str(self.events_file),
             **({ERROR_FILE: str(self.error_file)} if self.error_file else {}),
             **({STOP_REQUEST_FILE: str(self.stop_request_file)} if self.stop_request_file else {}),
+            **({DOWNLOAD_CACHE: str(self.download_cache)} if self.download_cache else {}),
         }

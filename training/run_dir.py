@@ -252,7 +252,7 @@ class RunDir:
         return self.logs_dir / "rendezvous-store.log"
 
     def rendezvous_store_lock(self, launch: int) -> Path:
-        """Held by a launch's rendezvous store on the control plane (`launcher.start_store_here`):
+        """Held by a launch's rendezvous store on the control plane (`run_agents.start_store_here`):
         one a launch, as a resumed run's new store may start while the last one's still idles."""
         return self.path / f"rendezvous-store-L{launch}.lock"
 

@@ -90,7 +90,9 @@ def prepare_checked(spec: RunSpec, run_dir: Path) -> PreparedData:
     check_tokenizer(spec)
     name = spec.data.dataset or "the demo corpus"
     try:
-        data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, RunDir(run_dir).data_dir)
+        rank_env = RankEnvironment.from_environ()
+        download_cache = rank_env.download_cache if rank_env is not None else None
+        data = prepare_data(spec.data, spec.model.vocab_size, spec.model.seq_len, RunDir(run_dir).data_dir, download_cache)
     except _DATA_ERRORS as exc:
         raise NonRetryable("data", f"data.dataset {name}: {exc}") from exc
     tokens = data.tokens_path.stat().st_size // np.dtype(data.dtype).itemsize

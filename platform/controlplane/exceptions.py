@@ -4,7 +4,8 @@
 the object's state refuses the change) and `Forbidden` (a 403: the caller sees the object but
 may not change it); the CLI prints them, and the REST API turns them into
 answers here, in DRF's exception handler (REST_FRAMEWORK["EXCEPTION_HANDLER"]), so no view
-catches them itself. A `SpecError` that reaches a view (the planner's query) is bad input too.
+catches them itself. Each is a `training.field_error.FieldError`, as a run's spec's, a replica's
+options' and Slurm's options' errors are: any of them that reaches a view is a 400 naming its field.
 """
 
 from __future__ import annotations
@@ -16,16 +17,11 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from controlplane.api import Conflict
-from training.config import SpecError
+from training.field_error import FieldError
 
 
-class InvalidInput(ValueError):
+class InvalidInput(FieldError):
     """Bad input from a user; `field` is the dotted path of the offending value."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 class WrongState(InvalidInput):
@@ -48,6 +44,6 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         exc = exceptions.PermissionDenied(str(exc))
     elif isinstance(exc, WrongState):
         exc = Conflict(exc.field, exc.message)
-    elif isinstance(exc, (InvalidInput, SpecError)):
+    elif isinstance(exc, FieldError):
         exc = exceptions.ValidationError(nested_error(exc.field, exc.message))
     return drf_exception_handler(exc, context)

@@ -25,9 +25,6 @@ from controlplane.env import (
     env_secret,
     env_str,
 )
-from runs.slurm_options import SlurmOptionError
-from runs.slurm_options import check as check_slurm_options
-from runs.slurm_options import check_signal_lead as check_slurm_signal_lead
 from training.ports import RENDEZVOUS_PORTS as DEFAULT_RENDEZVOUS_PORTS
 from training.ports import REPLICA_PORTS as DEFAULT_REPLICA_PORTS
 
@@ -90,6 +87,7 @@ INSTALLED_APPS = [
     "runs",
     "deployments",
     "hosts",
+    "launch",
     "notifications",
     "dashboard",
 ]
@@ -261,35 +259,31 @@ REPLICA_PORTS = range(
     env_int("FATHOM_REPLICA_PORT_MAX", DEFAULT_REPLICA_PORTS.stop - 1) + 1,
 )
 
-# --- Executor: what starts a run's node agents (runs/executors.py) ------------------------------
+# --- Executor: what starts a run's node agents (launch/executors.py) ------------------------------
 
 # "local" (the default) and "hosts" are the same path: agents start as detached processes of the
 # Celery worker's machine until a host worker registers, then on the hosts the scheduler places
 # the run on. "slurm": every run is one sbatch job whose srun starts one agent per node.
 EXECUTOR = env_choice("FATHOM_EXECUTOR", "local", ("local", "hosts", "slurm"))
-# A run's Slurm options unless it overrides them (runs/slurm_options.py says what each accepts).
-_SLURM_VARIABLES = {
+# A run's Slurm options unless it overrides them, as read: `launch` checks them by the rules it
+# applies to a run's overrides when Django starts (launch/apps.py), so a bad one stops every
+# process naming its variable, and settings import no app.
+SLURM_VARIABLES = {
     "partition": "FATHOM_SLURM_PARTITION", "account": "FATHOM_SLURM_ACCOUNT", "qos": "FATHOM_SLURM_QOS",
     "time_limit": "FATHOM_SLURM_TIME_LIMIT", "gpus_per_node": "FATHOM_SLURM_GPUS_PER_NODE",
 }  # fmt: skip
+SLURM_DEFAULTS = {
+    **{name: env_str(variable).strip() for name, variable in SLURM_VARIABLES.items() if name != "gpus_per_node"},
+    "gpus_per_node": env_int("FATHOM_SLURM_GPUS_PER_NODE", 0),
+}
 # How long before a Slurm job's time limit its ranks are asked to checkpoint and stop (sbatch
 # --signal=B:USR1@N): room for the step under way and one save to the run's storage, which for a
 # large model on network storage takes minutes. Slurm checks time limits every 30 s and may send
 # it up to a minute earlier than asked (18 to 31 s measured on 22.05); the job's time limit must
-# be longer (runs/slurm_options.check_signal_lead).
+# be longer (launch/slurm_options.check_signal_lead).
 SLURM_SIGNAL_LEAD_SECONDS = env_int("FATHOM_SLURM_SIGNAL_LEAD", 300)
 if not 1 <= SLURM_SIGNAL_LEAD_SECONDS <= 65535:  # --signal's own bounds
     raise ConfigurationError(f"FATHOM_SLURM_SIGNAL_LEAD must be from 1 to 65535 seconds; got {SLURM_SIGNAL_LEAD_SECONDS}")
-try:
-    SLURM_DEFAULTS = check_slurm_options(
-        {
-            **{name: env_str(variable).strip() for name, variable in _SLURM_VARIABLES.items() if name != "gpus_per_node"},
-            "gpus_per_node": env_int("FATHOM_SLURM_GPUS_PER_NODE", 0),
-        }
-    )
-    check_slurm_signal_lead(SLURM_DEFAULTS, SLURM_SIGNAL_LEAD_SECONDS)
-except SlurmOptionError as exc:
-    raise ConfigurationError(f"{_SLURM_VARIABLES[exc.field]} {exc.message}") from None
 # After a cancel, how long a Slurm job's agents get to stop their ranks (their own grace is 30 s)
 # and deliver their last events before `scancel` ends the job.
 SLURM_CANCEL_GRACE_SECONDS = env_float("FATHOM_SLURM_CANCEL_GRACE", 45.0)

@@ -18,5 +18,5 @@ urlpatterns = [
     path("", include("dashboard.urls")),
 ]
 
-handler404 = "controlplane.errors.not_found"
-handler500 = "controlplane.errors.server_error"
+handler404 = "controlplane.error_pages.not_found"
+handler500 = "controlplane.error_pages.server_error"

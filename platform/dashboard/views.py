@@ -22,7 +22,7 @@ from notifications.models import Webhook
 from runs import access, compare
 from runs.models import ProjectMember, Run, RunEvent
 from training.config import RECIPES
-from training.planner.layout_costs import DEVICES
+from training.planner.hardware import DEVICES
 
 # A sparkline is a few dozen pixels wide; more points than this only cost bytes.
 SPARKLINE_POINTS = 60

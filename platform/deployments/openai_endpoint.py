@@ -35,9 +35,9 @@ from deployments.models import ApiKey, Deployment
 from deployments.ratelimit import Limiter, limiter_for_settings
 from deployments.usage import USAGE
 from serving.app import Receive, Scope, Send, read_body, send_json, send_response
-from serving.errors import OpenAIError
 from serving.export_store import local_copy
 from serving.gateway import Gateway, deployment_gateway
+from serving.openai_errors import OpenAIError
 from serving.openai_requests import ENDPOINTS, unknown_endpoint
 from serving.router import ProxyResponse, error_response
 

@@ -17,9 +17,9 @@ from typing import Any
 from django.conf import settings
 
 from controlplane.exceptions import InvalidInput
-from hosts import capacity
 from hosts.models import Host
 from hostworker.devices import cpu_flags
+from launch import executors
 from runs import exports, quantized
 from runs.models import Checkpoint, QuantizedExport
 from serving import export_store
@@ -57,13 +57,11 @@ def replica_device(options: ReplicaOptions) -> DeviceInfo:
     has registered; else a ready host's that can run them (placement takes only such hosts). When
     every ready host refuses, raises their reasons; with none ready, the device's facts are
     unknown and placement has the word at start."""
-    if not capacity.cluster_exists():
+    hosts = executors.current().replica_hosts("gpu" if options.device == "cuda" else "cpu")
+    if hosts is None:
         return device()
-    kind = "gpu" if options.device == "cuda" else "cpu"
     refusals: dict[str, OptionError] = {}
-    for host in Host.objects.filter(status=Host.Status.READY).order_by("pk"):
-        if host.device_kind != kind:
-            continue
+    for host in hosts:
         refusal = _refusal(options, host)
         if refusal is None:
             return host.serving_device()

@@ -26,9 +26,10 @@ from controlplane.processes import is_alive
 from deployments.options import device
 from runs import quantized
 from runs.models import QuantizedExport
+from serving.deployment_config import DeploymentConfig
 from serving.quality import Agreement, Scores, held_out_prompts, score_prompts, top1_agreement
 from serving.state import DeploymentDir, read_events, read_state
-from serving.supervisor import DeploymentConfig, launch_detached, request_stop
+from serving.supervisor import launch_detached, request_stop
 from serving.vllm import CheckpointInfo, ReplicaOptions, replica_dtype
 
 # vLLM on CPU loads a small model in well under a minute; a replica not ready in this long is
@@ -94,7 +95,7 @@ def _scores(export: str, options: ReplicaOptions, state_dir: Path, prompts: list
 def _replica(export: str, options: ReplicaOptions, state_dir: Path) -> Iterator[str]:
     """One replica of `export` under a supervisor of its own; yields its URL; stops it after."""
     config = DeploymentConfig(
-        name="measured", checkpoint=export, state_dir=str(state_dir), python=settings.VLLM_PYTHON,
+        name="measured", export=export, state_dir=str(state_dir), python=settings.VLLM_PYTHON,
         replicas=1, options=options,
         # vLLM's "auto" binding pins a CPU replica to the first core, as a deployment's first
         # replica is: the measuring replica takes the last one instead.

@@ -9,7 +9,7 @@ from controlplane.api import ModelSerializer
 from deployments.models import ApiKey, Deployment, DeploymentEvent, Replica
 from deployments.services import QUANTIZATION_CHOICES
 from runs.models import Checkpoint
-from serving.supervisor import MAX_REPLICAS
+from serving.deployment_config import MAX_REPLICAS
 
 
 @extend_schema_field({"type": "object", "additionalProperties": True})

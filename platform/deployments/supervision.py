@@ -1,17 +1,19 @@
 """The bridge between deployment rows and `serving`'s detached replica supervisors.
 
-The supervisor process owns the replicas; this module starts and stops it (with the options
-`deployments.options` resolved), and turns its state and event files and the replicas' /metrics
+The supervisor process owns the replicas; this module has the deployment's executor
+(`launch.executors.for_deployment`) start and stop its supervisors, with the options
+`deployments.options` resolved, and turns their state and event files and the replicas' /metrics
 into the deployment's rows and events.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,14 @@ from django.utils import timezone
 from deployments import services, shipped
 from deployments.models import Deployment, Replica
 from deployments.options import device, host_refusal, stored_options
-from hosts import capacity, scheduling
+from hosts import scheduling
 from hosts.models import DeviceClaim, Host
+from launch import executors, supervisors
+from launch.supervisors import SupervisorRequest
 from runs import exports
-from runs.launcher import HOST_FOLDER, send_to_host
-from serving import metrics as replica_metrics
+from serving import replica_metrics
+from serving.deployment_config import DeploymentConfig
 from serving.state import DeploymentDir, DeploymentState, read_events, read_state, supervisor_dirs, write_state
-from serving.supervisor import DeploymentConfig, launch_detached, request_stop
 from serving.vllm import replica_dtype
 
 # Replica metrics are scraped with this budget each sync; a replica slower than that is skipped
@@ -39,7 +42,8 @@ SCRAPE_TIMEOUT_SECONDS = 1.5
 
 def config_for(deployment: Deployment, export_path: str, group: scheduling.ReplicaGroup | None = None) -> DeploymentConfig:
     """The supervisor's config: on this machine (all replicas), or for the replicas `group` puts
-    on one host (at its address), with the options the deployment stored resolved at create."""
+    on one host (at its address, shipping its folder to ours), with the options the deployment
+    stored resolved at create."""
     host = group.host if group is not None else None
     stored = stored_options(deployment.options)
     # "auto" becomes the dtype the quantization's kernels take on the replicas' CPU.
@@ -48,9 +52,9 @@ def config_for(deployment: Deployment, export_path: str, group: scheduling.Repli
     )
     folder = DeploymentDir(deployment.folder)
     cores = os.cpu_count() or 1
-    return DeploymentConfig(
+    config = DeploymentConfig(
         name=deployment.served_model_name,
-        checkpoint=str(export_path),
+        export=str(export_path),
         state_dir=str(folder.on_host(host.name).path if host is not None else folder.path),
         python=settings.VLLM_PYTHON,
         replicas=len(group.replicas) if group is not None else deployment.replicas,
@@ -65,75 +69,45 @@ def config_for(deployment: Deployment, export_path: str, group: scheduling.Repli
         if group is None and options.device == "cpu" and options.cpu_threads_bind == "auto"
         else (),
     )
-
-
-def supervisor_key(deployment: Deployment) -> str:
-    """How a host worker names the deployment's supervisor (one per host)."""
-    return f"deployment-{deployment.pk}"
-
-
-def placed_hosts(deployment: Deployment) -> list[Host]:
-    """The hosts that run the deployment's replicas; empty when it runs on this machine."""
-    return list(Host.objects.filter(claims__deployment=deployment).distinct().order_by("pk"))
-
-
-def start(deployment: Deployment) -> int | None:
-    """Exports the checkpoint if needed and starts the deployment's supervisor: here (returns its
-    pid), or, once hosts have registered, one on each host that got a free device for some of its
-    replicas (a task to each host's queue; returns None)."""
-    export_path = deployment.quantized_export.path if deployment.quantized_export else exports.export(deployment.checkpoint)
-    if capacity.cluster_exists():
-        _start_on_hosts(deployment, export_path)
-        return None
-    config = config_for(deployment, export_path)
-    with transaction.atomic():
-        for index in range(deployment.replicas):
-            Replica.objects.get_or_create(deployment=deployment, index=index)
-    return launch_detached(config, python=sys.executable)
-
-
-def _place(deployment: Deployment, replicas: int, first_replica: int = 0) -> list[scheduling.ReplicaGroup] | str:
-    options = stored_options(deployment.options)
-    return scheduling.place_deployment(
-        deployment.pk, replicas, "gpu" if options.device == "cuda" else "cpu", options.tensor_parallel_size,
-        refusal=lambda host: host_refusal(options, host), first_replica=first_replica,
+    if host is None:
+        return config
+    # A host keeps its supervisor's folder to itself (launch.supervisors puts it there); the
+    # supervisor ships state, events and logs to our copy, `state_dir` here,
+    # DEPLOY_DIR/hosts/<host>/ (deployments.shipped), which every reader reads.
+    return dataclasses.replace(
+        config, ship_url=f"{settings.PUBLIC_URL}/api/deployments/{deployment.pk}/shipped/",
+        ship_token=shipped.supervisor_token(deployment.pk, host.name), ship_host=host.name,
     )  # fmt: skip
 
 
-def _start_on_hosts(deployment: Deployment, export_path: str) -> None:
-    placement = _place(deployment, deployment.replicas)
-    if isinstance(placement, str):
-        raise RuntimeError(placement)
+def _request(deployment: Deployment, export_path: Callable[[], str], replicas: list[int]) -> SupervisorRequest:
+    """`export_path` is asked for as each supervisor's config is built, once its replicas are placed."""
+    options = stored_options(deployment.options)
+    return SupervisorRequest(
+        deployment=deployment, replicas=replicas, kind="gpu" if options.device == "cuda" else "cpu",
+        per_replica=options.tensor_parallel_size, refusal=lambda host: host_refusal(options, host),
+        configure=lambda group: config_for(deployment, export_path(), group),
+    )  # fmt: skip
+
+
+def _export_path(deployment: Deployment) -> str:
+    return deployment.quantized_export.path if deployment.quantized_export else exports.export(deployment.checkpoint)
+
+
+def start(deployment: Deployment) -> int | None:
+    """Exports the checkpoint if needed and has the deployment's executor start its supervisors:
+    one here (returns its pid), or one on each host placement gave some of its replicas (returns
+    None). Raises supervisors.NotPlaced when no host has room for them now."""
+    export_path = _export_path(deployment)  # an export that fails fails the deployment before anything is placed
+    started = executors.for_deployment(deployment).start_supervisors(
+        _request(deployment, lambda: export_path, list(range(deployment.replicas)))
+    )
     with transaction.atomic():
         for index in range(deployment.replicas):
             Replica.objects.get_or_create(deployment=deployment, index=index)
-        services.do_record(deployment, "placed", {"hosts": _placed(placement)})
-    _send_starts(deployment, export_path, placement)
-
-
-def _placed(groups: list[scheduling.ReplicaGroup]) -> list[dict[str, Any]]:
-    return [{"host": g.host.name, "address": g.host.address, "devices": g.devices, "replicas": g.replicas} for g in groups]
-
-
-def _send_starts(deployment: Deployment, export_path: str, groups: list[scheduling.ReplicaGroup]) -> None:
-    kind = "gpu" if stored_options(deployment.options).device == "cuda" else "cpu"
-    configs = [(group, config_for(deployment, export_path, group)) for group in groups]
-    # Each host keeps its supervisor's folder under its own data folder (where HOST_FOLDER
-    # stands) and gets the config with the start; the supervisor ships state, events and logs
-    # to our copy, DEPLOY_DIR/hosts/<host>/ (deployments.shipped), which every reader reads.
-    host_dir = DeploymentDir(Path(HOST_FOLDER))
-    for group, config in configs:
-        relative = DeploymentDir(deployment.folder).on_host(group.host.name).path.relative_to(settings.DATA_DIR)
-        shipping = dataclasses.replace(
-            config, state_dir=HOST_FOLDER, ship_url=f"{settings.PUBLIC_URL}/api/deployments/{deployment.pk}/shipped/",
-            ship_token=shipped.supervisor_token(deployment.pk, group.host.name), ship_host=group.host.name,
-        )  # fmt: skip
-        send_to_host(group.host, "start_process", {
-            "key": supervisor_key(deployment), "module": "serving.supervisor",
-            "args": ["--config", str(host_dir.config_file), "--state-dir", str(host_dir.path)],
-            "log": str(host_dir.supervisor_log), "devices": group.devices, "device_kind": kind,
-            "folder": str(relative), "files": {host_dir.config_file.name: json.dumps(shipping.to_dict(), indent=2)},
-        })  # fmt: skip
+        if started.placed:
+            services.do_record(deployment, "placed", {"hosts": started.placed})
+    return started.pid
 
 
 def lose_hosts(deployment: Deployment) -> bool:
@@ -187,19 +161,22 @@ def place_missing(deployment: Deployment) -> list[int]:
     """Places again the replicas of a degraded deployment that hold no device (their host was
     lost), on ready hosts that have room and run none of its replicas, and starts their
     supervisors; returns the replicas placed. Those that do not fit wait for the next call."""
-    if not capacity.cluster_exists():
-        return []  # one machine: its supervisor restarts its replicas itself
-    held = set(DeviceClaim.objects.filter(deployment=deployment).values_list("node", flat=True))
+    executor = executors.for_deployment(deployment)
+    held = executor.replicas_placed(deployment)
+    if held is None:
+        return []  # nothing placed: its one supervisor restarts its replicas itself
     missing = [i for i in range(deployment.replicas) if i not in held]
+    # Looked up once a block is placed, and once a call: on object storage it reads the export's
+    # manifest, which a block that does not fit (every reconcile tick, while none has room) needs not.
+    export_path = functools.cache(functools.partial(_export_path, deployment))
     placed: list[int] = []
     # A host's replicas are numbered consecutively: each run of missing indexes is placed as one.
     for block in _runs_of(missing):
-        groups = _place(deployment, len(block), first_replica=block[0])
-        if isinstance(groups, str):
+        try:
+            started = executor.start_supervisors(_request(deployment, export_path, block))
+        except supervisors.NotPlaced:
             continue
-        export_path = deployment.quantized_export.path if deployment.quantized_export else exports.export(deployment.checkpoint)
-        services.do_record(deployment, "placed", {"hosts": _placed(groups), "again": block})
-        _send_starts(deployment, export_path, groups)
+        services.do_record(deployment, "placed", {"hosts": started.placed, "again": block})
         placed += block
     return placed
 
@@ -217,7 +194,7 @@ def _runs_of(indexes: list[int]) -> list[list[int]]:
 def stop(deployment: Deployment, timeout: float = 120.0) -> None:
     """Asks the supervisors to drain and stop their replicas, and waits up to `timeout` for
     them to exit (0: asks and returns)."""
-    if not _ask_to_stop(deployment, placed_hosts(deployment)):
+    if not executors.for_deployment(deployment).stop_supervisors(deployment):
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -225,19 +202,6 @@ def stop(deployment: Deployment, timeout: float = 120.0) -> None:
         if state is None or all(r.phase == "stopped" for r in state.replicas):
             return
         time.sleep(0.5)
-
-
-def _ask_to_stop(deployment: Deployment, hosts: list[Host]) -> bool:
-    """Sends the stop to the supervisors on `hosts`, or to the one on this machine; False when
-    none runs here."""
-    if not hosts:
-        return request_stop(deployment.folder)
-    # Their pids are other machines': each host worker signals its own (a lost host runs
-    # nothing). Sent even before any state came: a supervisor may still be fetching the export.
-    for host in hosts:
-        if host.status != Host.Status.LOST:
-            send_to_host(host, "stop_process", {"key": supervisor_key(deployment)})
-    return True
 
 
 def sync(deployment: Deployment) -> None:
@@ -290,8 +254,8 @@ def _current(deployment: Deployment, replicas: list[Any]) -> list[Any]:
     """Each replica's state as its current supervisor reports it: on hosts, only replicas that hold
     their devices (one of a host lost and back reports itself until its supervisor is stopped),
     and of a replica placed again after its host was lost, the new one, not the forgotten one."""
-    if capacity.cluster_exists():
-        held = set(DeviceClaim.objects.filter(deployment=deployment).values_list("node", flat=True))
+    held = executors.for_deployment(deployment).replicas_placed(deployment)
+    if held is not None:
         replicas = [r for r in replicas if r.index in held]
     chosen: dict[int, Any] = {}
     for replica in replicas:
@@ -306,11 +270,11 @@ def fail_on_replica(deployment: Deployment, index: int, why: str) -> None:
     to the cluster with the failure."""
     reason = f"replica {index} could not start: {why}"
     serving = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
-    hosts = placed_hosts(deployment)  # read before the failure gives their devices back
+    hosts = supervisors.placed_hosts(deployment)  # read before the failure gives their devices back
     if services.do_set_status(
         deployment, Deployment.Status.FAILED, only_from=serving, reason=reason, event="failed", data={"reason": reason}
     ):
-        _ask_to_stop(deployment, hosts)
+        executors.for_deployment(deployment).stop_supervisors(deployment, hosts)
 
 
 def replica_status(phase: str, last_exit_code: int | None) -> str:

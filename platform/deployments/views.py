@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
 from django.db.models import QuerySet
@@ -9,13 +7,12 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.generics import get_object_or_404
-from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from controlplane.api import events_after_response, owned
-from controlplane.exceptions import InvalidInput, WrongState
+from controlplane.exceptions import WrongState
+from controlplane.shipped_pieces import ShippedPieceView
 from deployments import services, shipped
 from deployments.models import ApiKey, Deployment
 from deployments.serializers import (
@@ -142,49 +139,40 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         return Response(ApiKeySerializer(key).data)
 
 
-class ShippedFolderView(APIView):
+@extend_schema_view(post=extend_schema(
+    request=ShippedPieceSerializer,
+    responses={
+        200: inline_serializer(
+            "ShippedPieceAck",
+            {"offset": serializers.IntegerField(required=False), "shared": serializers.BooleanField(required=False)},
+        ),
+        401: inline_serializer("ShippedPieceTokenRequired", {"detail": serializers.CharField()}),
+        409: inline_serializer("ShippedPieceHostHoldsNothing", {"host": serializers.ListField(child=serializers.CharField())}),
+    },
+))
+class ShippedFolderView(ShippedPieceView):
     """POST: a piece of a host's supervisor folder (the deployment's supervisor token for that
-    host; refused while the deployment holds no device there), kept in our copy that sync, the routers and the log API read (`serving.shipper` says the protocol)."""
+    host; refused while the deployment holds no device there), kept in our copy that sync, the
+    routers and the log API read (`serving.shipper` says what is shipped)."""
 
-    permission_classes = [AllowAny]
-    authentication_classes: list[Any] = []  # the supervisor's bearer token, checked in post(); no session/CSRF
+    body = ShippedPieceSerializer
+    max_piece_bytes = shipped.MAX_PIECE_BYTES
+    token_required = "A valid supervisor token for the host named in `host` is required."
 
-    @extend_schema(
-        request=ShippedPieceSerializer,
-        responses={
-            200: inline_serializer(
-                "ShippedPieceAck",
-                {"offset": serializers.IntegerField(required=False), "shared": serializers.BooleanField(required=False)},
-            ),
-            401: inline_serializer("ShippedPieceTokenRequired", {"detail": serializers.CharField()}),
-            409: inline_serializer("ShippedPieceHostHoldsNothing", {"host": serializers.ListField(child=serializers.CharField())}),
-        },
-    )
-    def post(self, request: Request, deployment_id: int) -> Response:
+    def sender(self, request: Request, **url: Any) -> Deployment | None:
         host = request.data.get("host") if isinstance(request.data, dict) else None
-        authorization = request.headers.get("Authorization", "")
-        deployment = shipped.deployment_of_token(deployment_id, str(host), authorization)
-        if deployment is None:
-            return Response(
-                {"detail": "A valid supervisor token for the host named in `host` is required."},
-                status=status.HTTP_401_UNAUTHORIZED,
-            )
-        body = ShippedPieceSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        piece = body.validated_data
-        copy = shipped.copy_of(deployment, piece["host"])
-        if shipped.shared_with_supervisor(copy, piece["probe"]):
-            return Response({"shared": True})
+        return shipped.deployment_of_token(url["deployment_id"], str(host), request.headers.get("Authorization", ""))
+
+    def accept(self, deployment: Deployment, piece: dict[str, Any]) -> bool:
+        if shipped.shared_with_supervisor(shipped.copy_of(deployment, piece["host"]), piece["probe"]):
+            return True
         if not shipped.holds_devices(deployment, piece["host"]):
             raise WrongState(
                 "host",
                 f"host {piece['host']} holds no device of deployment {deployment.pk} now (the host was lost, "
                 "or the deployment ended there): what runs there of it is being stopped, and sends nothing",
             )
-        try:
-            data = base64.b64decode(piece["chunk"], validate=True)
-        except binascii.Error:
-            raise InvalidInput("chunk", "must be base64") from None
-        if len(data) > shipped.MAX_PIECE_BYTES:
-            raise InvalidInput("chunk", f"must be at most {shipped.MAX_PIECE_BYTES} bytes; got {len(data)}")
-        return Response({"offset": shipped.receive(copy, piece["file"], piece["offset"], data)})
+        return False
+
+    def append(self, deployment: Deployment, piece: dict[str, Any], data: bytes) -> int:
+        return shipped.receive(shipped.copy_of(deployment, piece["host"]), piece["file"], piece["offset"], data)

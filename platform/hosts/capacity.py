@@ -73,7 +73,7 @@ def cluster_exists() -> bool:
     return Host.objects.exists()
 
 
-# How a host worker names a run's node agent in what it reports it runs (`runs.launcher.agent_key`).
+# How a host worker names a run's node agent in what it reports it runs (`launch.run_agents.agent_key`).
 AGENT_KEY = re.compile(r"^run-(\d+)-node-\d+$")
 
 

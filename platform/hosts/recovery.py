@@ -1,7 +1,7 @@
 """What a lost host means for the runs placed on it: the loss of their nodes there.
 
 A run whose other nodes still meet `nodes.min` goes on without them: its agents form a smaller
-rendezvous by themselves, at the store on the control plane (`launcher.start_store_here`: no host
+rendezvous by themselves, at the store on the control plane (`run_agents.start_store_here`: no host
 of the run holds it, so node 0's host is lost like any other), and the control plane only records
 the loss. A run left with fewer nodes than `nodes.min` is stopped and queued again to resume from
 its last checkpoint (what it did since is replayed), and the scheduler starts it once its old
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from hosts.capacity import need_of
 from hosts.models import DeviceClaim, Host
-from runs import launcher, services
+from launch import run_agents
+from runs import services
 from runs.models import Run
 
 
@@ -35,7 +36,7 @@ def do_handle_lost_host(host: Host) -> list[int]:
         )  # fmt: skip
         if not reason:
             continue
-        launcher.request_cancel(run)  # the nodes left stop (while the run still holds its devices)
+        run_agents.request_cancel(run)  # the nodes left stop (while the run still holds its devices)
         if services.do_set_status(run, Run.Status.FAILED, reason, only_from=[run.status]):
             # From its last checkpoint, once its old agents are gone and the cluster has room.
             services.do_resume_run(run)

@@ -16,16 +16,14 @@ import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
-from django.utils import timezone
+from django.db.models import Q
 
-from controlplane.events import publish_on_commit
 from hosts.capacity import KINDS, Need, devices_word, need_of, release
 from hosts.models import DeviceClaim, Host
-from runs import launcher, services
 from runs.models import Run, RunEvent
 from training.ports import listen_port
 
@@ -130,6 +128,25 @@ def waiting_reason(need: Need, hosts: dict[str, list[Host]], free: dict[int, lis
 BEHIND = "waiting: behind an earlier run in the queue that does not fit yet"
 
 
+class RunsSide(Protocol):
+    """What a pass asks of the runs' side (`hosts.tasks.RUNS_SIDE`): placement decides and claims
+    devices; a run's status and events are recorded by runs.services, and whether its earlier
+    agents still run is the launch's to say."""
+
+    def still_stopping(self, run: Run) -> bool:
+        """A queued run's earlier agents still stop: their last events must land first."""
+        ...
+
+    def move_to_starting(self, run: Run, rendezvous: str, nodes: list[dict[str, Any]]) -> list[RunEvent] | None:
+        """The run's move to `starting`, inside the pass's transaction; its events unsaved, or
+        None if it moved on since it was read."""
+        ...
+
+    def write_events(self, events: list[RunEvent]) -> None: ...
+
+    def note_waiting(self, run: Run, reason: str) -> bool: ...
+
+
 class Pass:
     """What one scheduling pass knows: free devices per host, rendezvous ports in use, and the
     claims and events of the runs it placed, written together at its end."""
@@ -158,7 +175,7 @@ class Pass:
     def rendezvous_endpoint(self, gang: list[tuple[Host, list[int]]]) -> str:
         """Where the run's agents meet: for one node, a port on its host, where its agent hosts
         the store; for several, a port on the control plane's machine, where the launcher starts
-        the store (`launcher.start_store_here`), so that no host of the run holds it. A port no
+        the store (`run_agents.start_store_here`), so that no host of the run holds it. A port no
         active run's rendezvous holds, and on this machine one nothing listens on now."""
         address = settings.RENDEZVOUS_ADDRESS if len(gang) > 1 else gang[0][0].address
         free = [p for p in settings.RENDEZVOUS_PORTS if str(p) not in self.ports[address]]
@@ -166,46 +183,30 @@ class Pass:
         self.ports[address].add(port)
         return f"{address}:{port}"
 
-    def claim(self, run: Run, gang: list[tuple[Host, list[int]]]) -> bool:
-        """Moves the run to `starting` with its devices and rendezvous; False if it moved on."""
+    def claim(self, run: Run, gang: list[tuple[Host, list[int]]], runs: RunsSide) -> bool:
+        """Gives the run its devices and rendezvous, and has the runs' side move it to `starting`;
+        False if it moved on meanwhile."""
         endpoint = self.rendezvous_endpoint(gang)
-        # Two events follow; their run-wide numbers are reserved in the same UPDATE, which holds
-        # only if nobody numbered an event of the run since it was read (else: the next pass).
-        if not Run.objects.filter(
-            pk=run.pk, status=Run.Status.QUEUED, cancel_requested=False, last_seq=run.last_seq
-        ).update(
-            status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
-            last_report_at=timezone.now(), rendezvous=endpoint, last_seq=run.last_seq + 2,
-        ):  # fmt: skip
-            return False
-        first = run.last_seq + 1
-        for node, (host, devices) in enumerate(gang):
-            self.free[host.pk] = [d for d in self.free[host.pk] if d not in devices]
-            self.claims += [DeviceClaim(host=host, device=device, run=run, node=node) for device in devices]
         nodes = [
             {"node": node, "host": host.name, "address": host.address, "devices": devices}
             for node, (host, devices) in enumerate(gang)
         ]
-        now = timezone.now()
-        for seq, kind, data in (
-            (first, "placed", {"nodes": nodes}),
-            (first + 1, "status", {"status": Run.Status.STARTING, "reason": ""}),
-        ):
-            self.events.append(
-                RunEvent(
-                    run=run, seq=seq, source=services.CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data
-                )
-            )
+        events = runs.move_to_starting(run, endpoint, nodes)
+        if events is None:
+            return False
+        for node, (host, devices) in enumerate(gang):
+            self.free[host.pk] = [d for d in self.free[host.pk] if d not in devices]
+            self.claims += [DeviceClaim(host=host, device=device, run=run, node=node) for device in devices]
+        self.events += events
         return True
 
-    def write(self) -> None:
+    def write(self, runs: RunsSide) -> None:
         # The unique (host, device) constraint refuses a device given twice right here.
         DeviceClaim.objects.bulk_create(self.claims, batch_size=1000)
-        for event in RunEvent.objects.bulk_create(self.events, batch_size=1000):
-            publish_on_commit(services.run_group(event.run_id), [event.as_message()])
+        runs.write_events(self.events)
 
 
-def schedule() -> list[int]:
+def schedule(runs: RunsSide) -> list[int]:
     """One placement pass; returns the runs placed (moved to `starting`), whose start tasks the
     caller sends."""
     placed: list[int] = []
@@ -221,19 +222,17 @@ def schedule() -> list[int]:
         )
         for run in queue.iterator(chunk_size=200):
             need = need_of(run.spec)
-            if run.resume and launcher.agents_alive(run):
-                # Its previous agents are still stopping: their last events must land first.
+            if run.resume and runs.still_stopping(run):
                 reason = "waiting: its previous agents are still stopping"
             else:
                 gang = place(need, this.ready, this.free)
                 if gang is not None:
-                    if this.claim(run, gang):
+                    if this.claim(run, gang, runs):
                         placed.append(run.pk)
                     continue
                 reason = waiting_reason(need, this.ready, this.free)
             if run.status_reason != reason:
-                Run.objects.filter(pk=run.pk, status=Run.Status.QUEUED).update(status_reason=reason)
-                services.do_record_event(run, "waiting", {"reason": reason})
+                runs.note_waiting(run, reason)
             # The runs behind it wait for it (no small run starves a large one).
             queue.filter(
                 Q(priority__lt=run.priority)
@@ -241,7 +240,7 @@ def schedule() -> list[int]:
                 | Q(priority=run.priority, created_at=run.created_at, pk__gt=run.pk)
             ).exclude(status_reason=BEHIND).update(status_reason=BEHIND)
             break
-        this.write()
+        this.write(runs)
     return placed
 
 

@@ -16,7 +16,7 @@ from controlplane.exceptions import WrongState
 from controlplane.queue import enqueue_on_commit
 from hosts.models import Host
 from hosts.scheduling import orphans_on
-from runs.launcher import send_to_host
+from launch.run_agents import send_to_host
 
 log = logging.getLogger(__name__)
 

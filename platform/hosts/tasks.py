@@ -7,15 +7,29 @@ from django.conf import settings
 
 from controlplane.queue import enqueue_on_commit
 from hosts import recovery, scheduling, services
-from runs import launcher
+from launch import run_agents
+from runs import services as run_services
 from runs.models import Run
+
+
+class RunsSide:
+    """The runs' side of a placement pass (`scheduling.RunsSide`): runs.services records what
+    happens to each run; its earlier agents' locks or hosts' reports say whether they still run."""
+
+    still_stopping = staticmethod(run_agents.agents_alive)
+    move_to_starting = staticmethod(run_services.do_move_to_starting)
+    write_events = staticmethod(run_services.write_events)
+    note_waiting = staticmethod(run_services.do_note_waiting)
+
+
+RUNS_SIDE = RunsSide()
 
 
 def schedule_and_start() -> list[int]:
     """One placement pass, then the start tasks of each run it placed; returns those runs."""
-    placed = scheduling.schedule()
+    placed = scheduling.schedule(RUNS_SIDE)
     for run_id in placed:
-        launcher.start_on_hosts(Run.objects.get(pk=run_id))
+        run_agents.start_on_hosts(Run.objects.get(pk=run_id))
     return placed
 
 

@@ -33,8 +33,8 @@ def shared_with_agent(run: Run, node: int, probe: str) -> bool:
         return False
 
 
-def append_shipped(run: Run, host: str, name: str, offset: int, data: bytes) -> int:
-    """Appends to our copy of log `name` what it lacks of `host`'s file, given `data` read there
+def append_shipped(run: Run, address: str, name: str, offset: int, data: bytes) -> int:
+    """Appends to our copy of log `name` what it lacks of the file of the host at `address`, given `data` read there
     from `offset`; returns where our copy of that host's file now ends (the shipper's next offset).
 
     Bytes we already hold (a chunk sent again) are skipped; a chunk past what we hold is refused
@@ -44,7 +44,7 @@ def append_shipped(run: Run, host: str, name: str, offset: int, data: bytes) -> 
         raise InvalidInput("file", f"must be a log of the run folder (rank<R>.log, agent-node<K>.log, …); got {name!r}")
     run_dir = run.run_dir
     run_dir.logs_dir.mkdir(parents=True, exist_ok=True)
-    return append_past(run_dir.shipped_logs_file, run_dir.logs_dir / name, f"{host}/{name}", offset, data)
+    return append_past(run_dir.shipped_logs_file, run_dir.logs_dir / name, f"{address}/{name}", offset, data)
 
 
 def append_past(ledger_file: Path, copy_file: Path, key: str, offset: int, data: bytes) -> int:

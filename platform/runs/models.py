@@ -130,7 +130,7 @@ class Run(models.Model):
     # Events: the run-wide sequence number last handed out (see services.do_ingest_events).
     last_seq = models.BigIntegerField(default=0)
     # The node agents' credentials and whereabouts: the launch whose node tokens are accepted
-    # (`launcher.node_token`; none before the first launch).
+    # (`run_agents.node_token`; none before the first launch).
     token_launch = models.IntegerField(null=True, blank=True)
     agent_pids = models.JSONField(default=list, blank=True)
     last_report_at = models.DateTimeField(null=True, blank=True)
@@ -152,7 +152,7 @@ class Run(models.Model):
         Project, null=True, blank=True, on_delete=models.SET_NULL, related_name="runs",
         help_text="Shared with the project's members; empty: the owner's alone.",
     )  # fmt: skip
-    # Under the Slurm executor (runs/slurm.py): the options the run's job is submitted with
+    # Under the Slurm executor (launch/slurm.py): the options the run's job is submitted with
     # (the install's defaults with the run's overrides, checked at submit), and the job that
     # holds its current launch ("submitting" between the claim and sbatch's answer; empty before).
     slurm = models.JSONField(default=dict, blank=True)

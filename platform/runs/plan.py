@@ -9,7 +9,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from training.planner.layout_costs import DEVICES, IMPLEMENTATIONS, MODEL_NAMES
+from training.planner.hardware import DEVICES
+from training.planner.layout_costs import IMPLEMENTATIONS
+from training.planner.model_shapes import MODEL_NAMES
 from training.planner.search import PRECISIONS, QUERY_MAXIMUMS, plan_query
 
 

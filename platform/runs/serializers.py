@@ -7,7 +7,7 @@ from drf_spectacular.utils import extend_schema_field, inline_serializer
 from rest_framework import serializers
 
 from controlplane.api import ModelSerializer, Text
-from runs import access, compare, organise, services
+from runs import access, compare, datasets, organise, services, specs
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, QuantizedExport, Run, RunEvent
 from serving.quantize import folder_size
 from training.config import RECIPES
@@ -27,7 +27,7 @@ class DatasetSerializer(ModelSerializer):
 
     def create(self, validated: dict[str, Any]) -> Dataset:
         user = self.context["request"].user
-        return services.do_create_dataset(
+        return datasets.do_create_dataset(
             user,
             validated.get("name", ""),
             upload=validated.get("file"),
@@ -72,7 +72,7 @@ class PretrainedModelSerializer(ModelSerializer):
 
     def create(self, validated: dict[str, Any]) -> PretrainedModel:
         user = self.context["request"].user
-        return services.do_register_pretrained(
+        return datasets.do_register_pretrained(
             user,
             validated.get("name", ""),
             uploads=validated.get("files"),
@@ -171,10 +171,10 @@ class RunSerializer(ModelSerializer):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         attrs["recipe"] = attrs.get("recipe") or "tiny"
-        attrs["run_spec"] = services.check_spec(
+        attrs["run_spec"] = specs.resolve_spec(
             attrs.get("spec", {}), attrs["recipe"], attrs.get("validation_dataset"), attrs.get("pretrained")
         )
-        attrs["slurm_options"] = services.check_slurm_options(attrs.pop("slurm", None))
+        attrs["slurm_options"] = specs.check_slurm_options(attrs.pop("slurm", None))
         return attrs
 
     def create(self, validated: dict[str, Any]) -> Run:
@@ -318,7 +318,7 @@ class IngestSerializer(serializers.Serializer):
 class ShippedLogSerializer(serializers.Serializer):
     """A piece of a log file of a host's run folder, from its agent's log shipper."""
 
-    host = serializers.CharField(max_length=255, help_text="The shipping host's address.")
+    address = serializers.CharField(max_length=255, help_text="The shipping host's address.")
     node = serializers.IntegerField(min_value=0, help_text="The shipping agent's node.")
     probe = serializers.CharField(max_length=64, help_text="The token the shipper wrote into its node folder.")
     file = serializers.RegexField(r"^[A-Za-z0-9_-]{1,40}\.log$", help_text="rank<R>.log, agent-node<K>.log, …")  # type: ignore[assignment]

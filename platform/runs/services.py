@@ -1,4 +1,5 @@
-"""Domain operations on datasets and runs. Views, consumers, tasks and the CLI call these.
+"""Domain operations on runs and their events. Views, consumers, tasks and the CLI call these;
+a run's request is checked in `runs.specs`, datasets and pretrained models live in `runs.datasets`.
 
 `check_*` validate and raise; `do_*` change state, record events and publish them after the
 transaction commits, so a websocket never shows what the database does not hold.
@@ -6,25 +7,17 @@ transaction commits, so a websocket never shows what the database does not hold.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
-import json
 import math
-import os
 import re
-import secrets
-import shutil
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Max, QuerySet
 from django.utils import timezone
-from tokenizers import Tokenizer
 
 from controlplane import observability
 from controlplane.events import publish_on_commit, reserve_seqs
@@ -32,373 +25,16 @@ from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
 from hosts import capacity
 from hosts.models import Host
+from launch import executors
+from launch.slurm_options import SlurmOptions
 from notifications.services import RUN_EVENTS, notify_on_commit
-from runs import executors, slurm
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run, RunEvent
-from runs.slurm_options import FIELDS as SLURM_FIELDS
-from runs.slurm_options import SlurmOptionError, SlurmOptions
-from runs.slurm_options import check as check_slurm_values
-from runs.slurm_options import check_signal_lead as check_slurm_signal_lead
+from runs.specs import check_run_data, check_run_storage, run_storage
 from training.checkpoint_storage import is_committed_at
-from training.config import RECIPES, DataConfig, RunSpec, SpecError
-from training.pretrained import check_folder, resolved_dict
-from training.storage import Storage, StorageError, check_storage, dataset_url, failure_reason, local_root
+from training.config import DataConfig, RunSpec
+from training.storage import local_root
 
 CONTROL_SOURCE = "control"
-
-# --- Specs -------------------------------------------------------------------------------------
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    merged = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def check_spec(
-    spec: dict[str, Any],
-    recipe: str = "tiny",
-    validation_dataset: Dataset | None = None,
-    pretrained: PretrainedModel | None = None,
-) -> RunSpec:
-    """A full RunSpec: the recipe's values, overridden by what the user gave, with the held-out
-    dataset the run chose (its path, as `resolve_data` stores it), so the evaluation settings are
-    checked against the held-out data the run will have. A run from a pretrained model takes its
-    model from the folder (only `model.seq_len` is the user's), and its layout is checked
-    against that model."""
-    if recipe not in RECIPES:
-        raise InvalidInput("recipe", f"must be one of {', '.join(RECIPES)}; got {recipe!r}")
-    if not isinstance(spec, dict):
-        raise InvalidInput("spec", "must be an object with sections model, layout, train, nodes, faults")
-    _refuse_server_paths(spec)
-    base = RECIPES[recipe]().to_dict()
-    if validation_dataset is not None:
-        base["data"]["validation_dataset"] = validation_dataset.path
-    merged = deep_merge(base, spec)
-    if pretrained is not None:
-        model = spec.get("model")
-        chosen = sorted(set(model) - {"seq_len"}) if isinstance(model, dict) else []
-        if chosen:
-            raise InvalidInput(
-                f"spec.model.{chosen[0]}",
-                f"a run from pretrained model {pretrained.pk} ({pretrained.name}) takes its model from it; "
-                "only spec.model.seq_len may be set",
-            )
-        merged["data"]["pretrained"] = pretrained.path
-        try:
-            merged = resolved_dict(merged)
-        except SpecError as exc:
-            raise InvalidInput("pretrained", f"pretrained model {pretrained.pk} ({pretrained.name}): {exc.message}") from None
-    try:
-        return RunSpec.from_dict(merged)
-    except SpecError as exc:
-        raise InvalidInput(f"spec.{exc.field}", exc.message) from None
-
-
-# What a user names instead of each path the ranks read: objects the control plane checks the
-# owner of, and turns into paths itself when it stores the run (`resolve_data`).
-_DATA_OBJECT_FOR_PATH = {
-    "dataset": 'choose one of your datasets with the run\'s "dataset" field (a dataset id)',
-    "tokenizer": 'reuse the tokenizer of one of your runs with the run\'s "tokenizer_run" field (a run id)',
-    "storage": "the server chooses where checkpoints are kept (FATHOM_STORAGE_URL)",
-    "validation_dataset": 'choose one of your datasets with the run\'s "validation_dataset" field (a dataset id)',
-    "pretrained": 'start from one of your pretrained models with the run\'s "pretrained" field (a model id)',
-}
-
-
-def _refuse_server_paths(spec: dict[str, Any]) -> None:
-    data = spec.get("data")
-    if data is None:
-        return
-    if not isinstance(data, dict):
-        raise InvalidInput("spec.data", "must be an object; a run names its data with the dataset and tokenizer_run fields")
-    for name, value in data.items():
-        if name in _DATA_OBJECT_FOR_PATH and value not in ("", None):
-            raise InvalidInput(
-                f"spec.data.{name}", f"server paths are not accepted; {_DATA_OBJECT_FOR_PATH[name]}"
-            )
-
-
-def check_run_data(
-    spec: RunSpec,
-    dataset: Dataset | None,
-    tokenizer_run: Run | None,
-    validation_dataset: Dataset | None = None,
-    pretrained: PretrainedModel | None = None,
-) -> None:
-    """What can be known before launch about the data a run names: that the ranks can read it.
-
-    Ownership is checked where the ids are resolved (the serializer's querysets); this checks
-    that the objects still hold what a rank needs, so a missing file is a 400 now rather than a
-    failed run later.
-    """
-    for field, chosen in (("dataset", dataset), ("validation_dataset", validation_dataset)):
-        if chosen is None:
-            continue
-        if local_root(chosen.path) is None:
-            try:
-                stored = Storage.open(chosen.path)
-                present = stored.fs.exists(stored.root)
-            except Exception as exc:  # storage's many errors: say which object and why
-                raise InvalidInput(
-                    field, f"dataset {chosen.pk} ({chosen.name}) at {chosen.path} cannot be read: {failure_reason(exc)}"
-                ) from None
-            if not present:
-                raise InvalidInput(
-                    field, f"the object of dataset {chosen.pk} ({chosen.name}), {chosen.path}, is gone; upload it again"
-                )
-            continue
-        path = Path(chosen.path)
-        try:
-            size = path.stat().st_size
-        except OSError:
-            raise InvalidInput(field, f"the file of dataset {chosen.pk} ({chosen.name}) is gone; upload it again") from None
-        if size == 0 or not os.access(path, os.R_OK):
-            raise InvalidInput(field, f"the file of dataset {chosen.pk} ({chosen.name}) is empty or unreadable")
-    if pretrained is not None and tokenizer_run is not None:
-        raise InvalidInput(
-            "tokenizer_run", f"a run from pretrained model {pretrained.pk} ({pretrained.name}) uses its tokenizer; leave this empty"
-        )
-    if pretrained is not None:
-        try:
-            check_folder(Path(pretrained.path))
-        except SpecError as exc:
-            raise InvalidInput("pretrained", f"pretrained model {pretrained.pk} ({pretrained.name}): {exc.message}") from None
-    if tokenizer_run is not None:
-        tokenizer_file = tokenizer_run.tokenizer_dir / "tokenizer.json"
-        try:
-            vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size()
-        except Exception:  # tokenizers raises its own exception types for a missing or broken file
-            raise InvalidInput(
-                "tokenizer_run", f"run {tokenizer_run.pk} has no tokenizer yet; choose a run that has started training"
-            ) from None
-        if vocab > spec.model.vocab_size:
-            raise InvalidInput(
-                "tokenizer_run",
-                f"the tokenizer of run {tokenizer_run.pk} has {vocab} tokens, more than "
-                f"spec.model.vocab_size={spec.model.vocab_size}; raise the vocabulary size to at least {vocab}",
-            )
-
-
-def run_storage() -> str:
-    """What a run's `data.storage` holds: empty while storage is the data dir itself, whose run
-    folders already hold their checkpoints; else FATHOM_STORAGE_URL."""
-    root = local_root(settings.STORAGE_URL)
-    if root is not None and root.resolve() == settings.DATA_DIR:
-        return ""
-    return str(settings.STORAGE_URL)
-
-
-def check_run_storage() -> None:
-    """Storage must answer and take a write before a run that will checkpoint there is queued:
-    bad credentials, a missing bucket or an unreachable endpoint are a 400 now, not a failed run
-    at its first checkpoint."""
-    url = run_storage()
-    if not url:
-        return
-    try:
-        check_storage(url)
-    except StorageError as exc:
-        raise InvalidInput("storage", f"{exc}; an administrator must fix FATHOM_STORAGE_URL or its credentials") from None
-
-
-def check_slurm_options(overrides: dict[str, Any] | None) -> SlurmOptions | None:
-    """The run's Slurm options (the install's defaults with its overrides), checked; None when
-    runs do not go to Slurm, where overrides are refused rather than ignored."""
-    if settings.EXECUTOR != "slurm":
-        if overrides:
-            raise InvalidInput(
-                "slurm", f"runs here start with the {settings.EXECUTOR} executor; Slurm options apply only under FATHOM_EXECUTOR=slurm"
-            )
-        return None
-    if overrides is not None and not isinstance(overrides, dict):
-        raise InvalidInput("slurm", f"must be an object with some of {', '.join(SLURM_FIELDS)}")
-    try:
-        options = check_slurm_values(overrides or {}, settings.SLURM_DEFAULTS)
-        check_slurm_signal_lead(options, settings.SLURM_SIGNAL_LEAD_SECONDS)
-    except SlurmOptionError as exc:
-        raise InvalidInput(f"slurm.{exc.field}", exc.message) from None
-    if options.partition:
-        try:
-            known = slurm.partitions()
-        except slurm.SlurmError as exc:
-            raise InvalidInput("slurm", f"Slurm did not answer ({exc}); an administrator must look at the cluster") from None
-        if options.partition not in known:
-            raise InvalidInput("slurm.partition", f"must be one of the cluster's partitions: {', '.join(known)}; got {options.partition!r}")
-    return options
-
-
-# --- Datasets -------------------------------------------------------------------------------
-
-
-def _scan_dataset(path: Path, fmt: str) -> tuple[int, str]:
-    """Counts records and hashes the file; a JSONL line that is not an object with text fails."""
-    digest = hashlib.sha256()
-    records = 0
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            digest.update(raw)
-            line = raw.strip()
-            if not line:
-                continue
-            if fmt == Dataset.Format.JSONL:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise InvalidInput("file", f"line {number} is not valid JSON ({exc.msg})") from None
-                if not isinstance(obj, dict) or not (isinstance(obj.get("text"), str) or isinstance(obj.get("messages"), list)):
-                    raise InvalidInput("file", f'line {number} must be an object with a "text" string or a "messages" list')
-            else:
-                try:
-                    raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise InvalidInput("file", f"line {number} is not UTF-8 text") from None
-            records += 1
-    if records == 0:
-        raise InvalidInput("file", "holds no text")
-    return records, digest.hexdigest()
-
-
-def dataset_format(filename: str) -> str:
-    suffix = Path(filename).suffix.lower()
-    if suffix in (".txt", ".text", ".md"):
-        return Dataset.Format.TEXT
-    if suffix in (".jsonl", ".ndjson"):
-        return Dataset.Format.JSONL
-    raise InvalidInput("file", f"must be a .txt or .jsonl file; got {Path(filename).name!r}")
-
-
-def check_dataset_path(raw: str) -> Path:
-    """A server file an administrator registers; relative paths are taken under the data dir."""
-    path = Path(raw)
-    if not path.is_absolute():
-        path = settings.DATA_DIR / path
-    path = path.resolve()
-    if not path.is_file():
-        raise InvalidInput("path", f"no file at {path}")
-    return path
-
-
-def do_create_dataset(
-    owner: Any, name: str, *, upload: Any = None, path: str = "", by_administrator: bool = False
-) -> Dataset:
-    """Stores an uploaded file (or registers a server file, for administrators) after checking every line.
-
-    Only an administrator (staff in the API, the operator at the server's CLI) may name a server
-    path: any other user could otherwise read, through a run, a file of the server or another
-    user's upload.
-    """
-    if (upload is None) == (not path):
-        raise InvalidInput("file", "give either an uploaded file or (administrators only) a path on the server")
-    if path and not by_administrator:
-        raise InvalidInput("path", "only administrators may register a server file as a dataset; upload the file instead")
-    if upload is not None:
-        fmt = dataset_format(upload.name)
-        if upload.size > settings.MAX_DATASET_BYTES:
-            raise InvalidInput("file", f"is {upload.size} bytes; the limit is {settings.MAX_DATASET_BYTES}")
-        folder = settings.DATASETS_DIR / secrets.token_hex(8)
-        folder.mkdir(parents=True)
-        target = folder / Path(upload.name).name
-        with target.open("wb") as out:
-            for chunk in upload.chunks():
-                out.write(chunk)
-        try:
-            records, sha = _scan_dataset(target, fmt)
-        except InvalidInput:
-            target.unlink()
-            folder.rmdir()
-            raise
-    else:
-        target = check_dataset_path(path)
-        fmt = dataset_format(target.name)
-        records, sha = _scan_dataset(target, fmt)
-    size = target.stat().st_size
-    where = str(target)
-    if run_storage() and local_root(run_storage()) is None:
-        where = _store_dataset(target, sha, removes_local=upload is not None)
-    return Dataset.objects.create(
-        owner=owner, name=name or target.name, format=fmt, path=where, size_bytes=size, records=records, sha256=sha
-    )
-
-
-def _store_dataset(target: Path, sha: str, *, removes_local: bool) -> str:
-    """Puts a checked dataset on object storage, named by its checksum, where every host's ranks
-    read it; an upload's local copy is dropped (an administrator's server file stays)."""
-    url = dataset_url(run_storage(), sha, target.name)
-    try:
-        stored = Storage.open(url)
-        stored.fs.put_file(str(target), stored.root)
-    except Exception as exc:  # s3fs and botocore raise many types; the object and reason are what users need
-        raise InvalidInput("file", f"could not be stored at {url}: {failure_reason(exc)}") from None
-    finally:
-        if removes_local:
-            shutil.rmtree(target.parent, ignore_errors=True)
-    return url
-
-
-# --- Pretrained models ------------------------------------------------------------------------
-
-# The files of a Hugging Face Llama folder a run reads; an upload holds these and nothing else.
-PRETRAINED_FILE_NAMES = re.compile(
-    r"^(config\.json|generation_config\.json|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
-    r"|model\.safetensors|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors)$"
-)
-
-
-def do_register_pretrained(
-    owner: Any, name: str, *, uploads: list[Any] | None = None, path: str = "", by_administrator: bool = False
-) -> PretrainedModel:
-    """Stores an uploaded Hugging Face Llama folder (its files, flat), or registers a server
-    folder (administrators only, as for datasets), once Fathom's decoder can compute its model."""
-    if bool(uploads) == bool(path):
-        raise InvalidInput("files", "give either the folder's files as uploads or (administrators only) a folder on the server")
-    if path and not by_administrator:
-        raise InvalidInput("path", "only administrators may register a server folder as a model; upload its files instead")
-    field = "path" if path else "files"
-    if uploads:
-        names = [Path(upload.name).name for upload in uploads]
-        wrong = [n for n in names if not PRETRAINED_FILE_NAMES.match(n)]
-        if wrong:
-            raise InvalidInput(
-                "files",
-                f"{wrong[0]} is not a file of a Hugging Face Llama folder; upload config.json, tokenizer.json (and its "
-                "tokenizer_config.json, special_tokens_map.json, generation_config.json) and model.safetensors or "
-                "model.safetensors.index.json with its model-NNNNN-of-NNNNN.safetensors",
-            )
-        if len(set(names)) != len(names):
-            raise InvalidInput("files", "holds one file name twice")
-        size = sum(upload.size for upload in uploads)
-        if size > settings.MAX_PRETRAINED_BYTES:
-            raise InvalidInput("files", f"are {size} bytes together; the limit is {settings.MAX_PRETRAINED_BYTES}")
-        folder = settings.PRETRAINED_DIR / secrets.token_hex(8)
-        folder.mkdir(parents=True)
-        for upload, file_name in zip(uploads, names, strict=True):
-            with (folder / file_name).open("wb") as out:
-                for chunk in upload.chunks():
-                    out.write(chunk)
-    else:
-        folder = Path(path) if Path(path).is_absolute() else settings.DATA_DIR / path
-        folder = folder.resolve()
-        if not folder.is_dir():
-            raise InvalidInput("path", f"no folder at {folder}")
-    try:
-        model = check_folder(folder)
-    except SpecError as exc:
-        if uploads:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise InvalidInput(field, exc.message) from None
-    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-    described = {k: v for k, v in dataclasses.asdict(model).items() if k != "seq_len"}
-    # An upload's folder is named at random; a registered one was named by whoever put it there.
-    default_name = f"llama-{model.n_layers}x{model.dim}" if uploads else folder.name
-    return PretrainedModel.objects.create(
-        owner=owner, name=name or default_name, path=str(folder), size_bytes=size, model=described
-    )
-
 
 # --- Runs ------------------------------------------------------------------------------------
 
@@ -517,6 +153,48 @@ def do_set_status(run: Run, status: str, reason: str = "", *, only_from: Iterabl
         _record(run, "status", {"status": status, "reason": reason})
     run.refresh_from_db()
     return True
+
+
+def do_claim_launch(run_id: int) -> bool:
+    """Moves a queued run to `starting` for a launch on this machine, counting the launch, and
+    records it; False if it was not queued (a launch delivered again)."""
+    with transaction.atomic():
+        claimed = Run.objects.filter(pk=run_id, status=Run.Status.QUEUED, cancel_requested=False).update(
+            status=Run.Status.STARTING, launch_attempts=F("launch_attempts") + 1, last_report_at=timezone.now()
+        )
+        if claimed:
+            _record(Run.objects.get(pk=run_id), "status", {"status": Run.Status.STARTING, "reason": ""})
+    return bool(claimed)
+
+
+def do_move_to_starting(run: Run, rendezvous: str, nodes: list[dict[str, Any]]) -> list[RunEvent] | None:
+    """Moves a queued run to `starting` where placement put it (`nodes`: each node's host, address
+    and devices; its agents meet at `rendezvous`), inside the placement pass's transaction.
+    Returns its two events (`placed`, then the status), unsaved, for the pass to write with the
+    others it placed (`write_events`); None if the run moved on since it was read."""
+    # The events' run-wide numbers are reserved in the same UPDATE, which holds only if nobody
+    # numbered an event of the run since it was read (else: the next pass).
+    if not Run.objects.filter(
+        pk=run.pk, status=Run.Status.QUEUED, cancel_requested=False, last_seq=run.last_seq
+    ).update(
+        status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
+        last_report_at=timezone.now(), rendezvous=rendezvous, last_seq=run.last_seq + 2,
+    ):  # fmt: skip
+        return None
+    first, now = run.last_seq + 1, timezone.now()
+    return [
+        RunEvent(run=run, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data)
+        for seq, kind, data in (
+            (first, "placed", {"nodes": nodes}),
+            (first + 1, "status", {"status": Run.Status.STARTING, "reason": ""}),
+        )
+    ]  # `starting` is no status the owner's webhooks hear of (notifications.events.RUN_EVENTS)
+
+
+def write_events(events: list[RunEvent]) -> None:
+    """Saves events built by `do_move_to_starting` in one statement, published once committed."""
+    for event in RunEvent.objects.bulk_create(events, batch_size=1000):
+        publish_on_commit(run_group(event.run_id), [event.as_message()])
 
 
 def _release_devices(run: Run) -> None:

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +18,10 @@ from rest_framework.views import APIView
 
 from controlplane.api import events_after_response, owned
 from controlplane.exceptions import InvalidInput
+from controlplane.shipped_pieces import ShippedPieceView
 from hosts.models import DeviceClaim
-from runs import access, compare, launcher, logs, organise, services
+from launch import run_agents
+from runs import access, compare, logs, organise, services, specs
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run
 from runs.serializers import (
     CheckpointSerializer,
@@ -205,7 +205,7 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             "validation_dataset": edits.get("validation_dataset", source.validation_dataset_id),
             "pretrained": edits.get("pretrained", source.pretrained_id),
             "recipe": source.recipe or "tiny",
-            "spec": services.deep_merge(spec, edits.get("spec") or {}),
+            "spec": specs.deep_merge(spec, edits.get("spec") or {}),
         }
         if source.slurm and settings.EXECUTOR == "slurm":
             body["slurm"] = source.slurm  # its Slurm options, resolved: checked again against the cluster
@@ -227,12 +227,12 @@ class RunViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         serializer = RunSerializer(data=request.data, context={"request": request})
         serializer.is_valid(raise_exception=True)
         checked = serializer.validated_data
-        services.check_run_data(
+        specs.check_run_data(
             checked["run_spec"], checked.get("dataset"), checked.get("tokenizer_run"), checked.get("validation_dataset"),
             checked.get("pretrained"),
         )  # fmt: skip
         services.check_fits_cluster(checked["run_spec"])
-        services.check_run_storage()
+        specs.check_run_storage()
         return Response({"spec": checked["run_spec"].to_dict()})
 
     # A run keeps a handful of checkpoints (train.keep_checkpoints prunes the rest), so they come
@@ -304,51 +304,44 @@ def _run_of_token(request: Request, run_id: int, node: int | None) -> Run | None
     run = Run.objects.filter(pk=run_id).first()
     auth = request.headers.get("Authorization", "")
     token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-    if run is None or node is None or not launcher.is_node_token(run, node, token):
+    if run is None or node is None or not run_agents.is_node_token(run, node, token):
         return None
     return run
 
 
-class ShippedLogsView(APIView):
-    """POST: a piece of a log of a host's run folder (run token), kept in ours for the log API
-    (`training.agent.log_shipper` says the protocol)."""
+@extend_schema_view(post=extend_schema(
+    request=ShippedLogSerializer,
+    responses={
+        200: inline_serializer(
+            "ShippedLogAck",
+            {"offset": serializers.IntegerField(required=False), "shared": serializers.BooleanField(required=False)},
+        ),
+        401: inline_serializer("ShippedLogRunTokenRequired", {"detail": serializers.CharField()}),
+        403: inline_serializer("ShippedLogNotFromItsHost", {"detail": serializers.CharField()}),
+    },
+))
+class ShippedLogsView(ShippedPieceView):
+    """POST: a piece of a log of a host's run folder (the node's token), kept in ours for the log
+    API (`training.agent.log_shipper` says what is shipped)."""
 
-    permission_classes = [AllowAny]
-    authentication_classes: list[Any] = []  # the run's bearer token, checked in post(); no session/CSRF
+    body = ShippedLogSerializer
+    max_piece_bytes = logs.MAX_PIECE_BYTES
+    token_required = NODE_TOKEN_REQUIRED.format(what='"node"')
 
-    @extend_schema(
-        request=ShippedLogSerializer,
-        responses={
-            200: inline_serializer(
-                "ShippedLogAck",
-                {"offset": serializers.IntegerField(required=False), "shared": serializers.BooleanField(required=False)},
-            ),
-            401: inline_serializer("ShippedLogRunTokenRequired", {"detail": serializers.CharField()}),
-            403: inline_serializer("ShippedLogNotFromItsHost", {"detail": serializers.CharField()}),
-        },
-    )
-    def post(self, request: Request, run_id: int) -> Response:
+    def sender(self, request: Request, **url: Any) -> Run | None:
         node = request.data.get("node") if isinstance(request.data, dict) else None
-        run = _run_of_token(request, run_id, node if type(node) is int and node >= 0 else None)
-        if run is None:
-            return Response({"detail": NODE_TOKEN_REQUIRED.format(what='"node"')}, status=status.HTTP_401_UNAUTHORIZED)
-        body = ShippedLogSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        piece = body.validated_data
+        return _run_of_token(request, url["run_id"], node if type(node) is int and node >= 0 else None)
+
+    def accept(self, run: Run, piece: dict[str, Any]) -> bool:
         # A node's logs are kept under its host's address: while the node holds devices, that
         # is the address of the host they are on, not one the sender names.
         placed = DeviceClaim.objects.filter(run=run, node=piece["node"]).select_related("host").first()
-        if placed is not None and piece["host"] != placed.host.address:
-            raise PermissionDenied(f"host: node {piece['node']} runs on {placed.host.address}; got {piece['host']!r}")
-        if logs.shared_with_agent(run, piece["node"], piece["probe"]):
-            return Response({"shared": True})
-        try:
-            data = base64.b64decode(piece["chunk"], validate=True)
-        except binascii.Error:
-            raise InvalidInput("chunk", "must be base64") from None
-        if len(data) > logs.MAX_PIECE_BYTES:
-            raise InvalidInput("chunk", f"must be at most {logs.MAX_PIECE_BYTES} bytes; got {len(data)}")
-        return Response({"offset": logs.append_shipped(run, piece["host"], piece["file"], piece["offset"], data)})
+        if placed is not None and piece["address"] != placed.host.address:
+            raise PermissionDenied(f"address: node {piece['node']} runs on {placed.host.address}; got {piece['address']!r}")
+        return logs.shared_with_agent(run, piece["node"], piece["probe"])
+
+    def append(self, run: Run, piece: dict[str, Any], data: bytes) -> int:
+        return logs.append_shipped(run, piece["address"], piece["file"], piece["offset"], data)
 
 
 @extend_schema_view(list=extend_schema(parameters=[CHECKPOINT_ORDERING]))

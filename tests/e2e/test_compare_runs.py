@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page, expect
 
-from runs import services
+from runs import services, specs
 from runs.models import Run
 from tests.e2e.conftest import ConsoleWatch, log_in, off_loop, screenshot
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.browser
 
 def make_run(owner, name: str, spec: dict[str, Any], status: str, losses: list[float]) -> Run:
     def create() -> Run:
-        run = Run.objects.create(owner=owner, name=name, spec=services.check_spec(spec).to_dict(), recipe="tiny", status=status)
+        run = Run.objects.create(owner=owner, name=name, spec=specs.resolve_spec(spec).to_dict(), recipe="tiny", status=status)
         for step, loss in enumerate(losses, start=1):
             metrics = {"step": step, "loss": loss, "lr": 1e-3, "tokens_per_s": 800.0 + 10 * step, "mfu": 0.02 * step}
             services.do_record_event(run, "metrics", metrics)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import Page, expect
 
-from runs import services
+from runs import services, specs
 from runs.models import Run
 from tests.e2e.conftest import ConsoleWatch, log_in, off_loop, screenshot
 
@@ -23,7 +23,7 @@ def test_the_run_page_plots_eval_loss_beside_the_loss_and_lists_it_per_checkpoin
     alice, live_web, browser_page: Page, console: ConsoleWatch
 ):
     page = browser_page
-    spec = services.check_spec({"train": {"eval_interval": 2}, "data": {"validation_fraction": 0.1}}).to_dict()
+    spec = specs.resolve_spec({"train": {"eval_interval": 2}, "data": {"validation_fraction": 0.1}}).to_dict()
     run = off_loop(lambda: Run.objects.create(owner=alice, name="evaluated", spec=spec, status="running"))
     for step in range(1, 5):
         record(run, "metrics", {"step": step, "loss": 6.0 - 0.2 * step, "lr": 1e-3, "tokens_per_s": 900.0, "mfu": 0.1})

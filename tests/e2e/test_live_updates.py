@@ -10,7 +10,7 @@ import signal
 import pytest
 from playwright.sync_api import Page, Route, WebSocket, expect
 
-from runs import services
+from runs import services, specs
 from runs.models import Run
 from tests.e2e.conftest import ConsoleWatch, log_in, off_loop, screenshot
 
@@ -22,7 +22,7 @@ RECONNECT_TIMEOUT_MS = 90_000
 
 def create_run(owner, name: str, spec_changes: dict, **fields) -> Run:
     """A run as the API would store it: its spec checked and filled in from the recipe."""
-    spec = services.check_spec(spec_changes).to_dict()
+    spec = specs.resolve_spec(spec_changes).to_dict()
     return off_loop(lambda: Run.objects.create(owner=owner, name=name, spec=spec, **fields))
 
 
@@ -136,10 +136,13 @@ def test_cancel_resume_and_clone_act_on_the_run_and_the_buttons_follow_its_statu
     # before they were in, it launched the recipe's defaults (a run named "run", seen on a loaded
     # CI box). The source run's answer is held back here to look at the form meanwhile.
     held: list[Route] = []
-    # Only the form's request: the run page itself reads the same URL while it is still open.
+    # Only the form's request, known by the page that sent it: the run page reads the same URL
+    # while it is still open, and its request may still be on its way as the frame navigates to
+    # the form (the frame's URL is then the form's; held, it left the form's own request waiting
+    # behind it on a loaded CI box).
     page.route(
         f"**/api/runs/{run.pk}/",
-        lambda route: held.append(route) if "/runs/new" in route.request.frame.url else route.continue_(),
+        lambda route: held.append(route) if "/runs/new" in (route.request.headers.get("referer") or "") else route.continue_(),
     )
     page.get_by_role("link", name="Clone…").click()
     launch = page.get_by_role("button", name="Launch run")

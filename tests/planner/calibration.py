@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from training.config import ModelConfig  # noqa: E402
-from training.planner.layout_costs import DEVICES, Candidate, Cluster, Estimate, estimate  # noqa: E402
+from training.planner.hardware import DEVICES, Cluster  # noqa: E402
+from training.planner.layout_costs import Candidate, Estimate, estimate  # noqa: E402
 
 MODEL = ModelConfig(n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=32)
 GLOBAL_BATCH = 4

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from training.config import SpecError
-from training.planner.layout_costs import DEVICES, Cluster, model_preset
+from training.planner.hardware import DEVICES, Cluster
+from training.planner.model_shapes import model_preset
 from training.planner.paper_report import report
 from training.planner.search import plan, plan_query
 

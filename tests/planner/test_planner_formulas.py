@@ -11,25 +11,26 @@ import torch
 from training.config import ModelConfig, Schedule
 from training.metrics import flops_per_token
 from training.model import Transformer, cross_entropy_loss
+from training.planner.hardware import DEVICES, Cluster
 from training.planner.layout_costs import (
     BEFORE_FIXES,
-    DEVICES,
     FATHOM,
-    MODEL_NAMES,
     Candidate,
-    Cluster,
     Estimate,
     Rejected,
-    Shape,
     estimate,
+    rank_shares,
+    stage_params,
+)
+from training.planner.model_shapes import (
+    MODEL_NAMES,
+    Shape,
     layer_saved,
     model_flops_per_token,
     model_preset,
     num_params,
     output_saved,
-    rank_shares,
     saved_per_token,
-    stage_params,
 )
 from training.planner.search import fit_reason
 

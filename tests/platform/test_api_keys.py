@@ -3,7 +3,7 @@ and through /v1 as a client calls it (the official `openai` client against real 
 
 No replica is needed: /v1/models answers from the key's deployment, and every answer here is
 decided before a request would be routed. Token counts from real replicas are asserted in
-test_openai_passthrough.py.
+test_v1_served.py.
 """
 
 from __future__ import annotations

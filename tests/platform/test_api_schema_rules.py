@@ -12,7 +12,9 @@ import pytest
 
 from runs import organise
 from runs.models import Checkpoint, Run
-from training.planner.layout_costs import DEVICES, IMPLEMENTATIONS, MODEL_NAMES
+from training.planner.hardware import DEVICES
+from training.planner.layout_costs import IMPLEMENTATIONS
+from training.planner.model_shapes import MODEL_NAMES
 from training.planner.search import PRECISIONS, QUERY_MAXIMUMS
 
 pytestmark = pytest.mark.django_db

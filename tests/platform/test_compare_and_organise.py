@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from channels.db import database_sync_to_async
 
-from runs import services
+from runs import services, specs
 from runs.models import Project, ProjectMember, Run
 from tests.platform.conftest import client_for
 from tests.platform.test_live_events import _connect as connect_socket
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.django_db
 
 
 def make_run(owner, name: str, spec: dict[str, Any] | None = None, recipe: str = "tiny", **fields: Any) -> Run:
-    resolved = services.check_spec(spec or {}, recipe).to_dict()
+    resolved = specs.resolve_spec(spec or {}, recipe).to_dict()
     return Run.objects.create(owner=owner, name=name, spec=resolved, recipe=recipe, **fields)
 
 

@@ -14,7 +14,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from tokenizers import Tokenizer
 
-from runs import launcher
+from launch import run_agents
 from runs.models import Dataset, Run
 from tests.platform.conftest import client_for
 from training.data import save_tokenizer, train_tokenizer
@@ -143,11 +143,11 @@ def test_a_run_stores_the_paths_of_the_objects_it_names_and_the_launcher_writes_
         "validation_fraction": 0.0,
         "pretrained": "",
     }
-    folder = launcher.prepare(run).folder
+    folder = run_agents.prepare(run).folder
     assert json.loads(RunDir(folder).spec_file.read_text()) == run.spec
 
     plain = alice_api.post("/api/runs/", {"name": "y"}, format="json").json()
-    folder = launcher.prepare(Run.objects.get(pk=plain["id"])).folder
+    folder = run_agents.prepare(Run.objects.get(pk=plain["id"])).folder
     assert json.loads(RunDir(folder).spec_file.read_text())["data"] == {
         "dataset": "", "tokenizer": "", "storage": "", "validation_dataset": "", "validation_fraction": 0.0,
         "pretrained": "",

@@ -8,7 +8,7 @@ import json
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from runs import launcher
+from launch import run_agents
 from runs.models import Checkpoint, Dataset, Run
 
 pytestmark = pytest.mark.django_db
@@ -33,7 +33,7 @@ def ingest(client, run: Run, events: list[dict]) -> None:
         f"/api/runs/{run.pk}/events/",
         data=json.dumps(body),
         content_type="application/json",
-        HTTP_AUTHORIZATION=f"Bearer {launcher.node_token(run.pk, 1, 0)}",
+        HTTP_AUTHORIZATION=f"Bearer {run_agents.node_token(run.pk, 1, 0)}",
     )
     assert response.status_code == 200, response.content
 

@@ -139,7 +139,13 @@ TRAIN = {"steps": 4, "warmup_steps": 2, "checkpoint_interval": 2, "global_batch"
 
 
 @pytest.mark.django_db(transaction=True)
-def test_runs_span_namespace_hosts_at_their_own_addresses_and_wait_their_turn(cluster):
+def test_runs_span_namespace_hosts_wait_their_turn_and_a_launch_through_a_broker_restart_starts_once(cluster):
+    # One cluster for both: each takes seconds of training, and a cluster about as long to build.
+    runs_span_namespace_hosts_at_their_own_addresses_and_wait_their_turn(cluster)
+    a_broker_restarted_while_a_launch_is_in_flight_starts_the_run_exactly_once(cluster)
+
+
+def runs_span_namespace_hosts_at_their_own_addresses_and_wait_their_turn(cluster: Cluster) -> None:
     addresses = dict(Host.objects.values_list("name", "address"))
     # Each host found its address by the route to the control plane: its namespace's own.
     assert addresses == {"h0": cluster.network.address(0), "h1": cluster.network.address(1)}
@@ -395,8 +401,7 @@ def test_a_deployment_on_two_namespace_hosts_serves_through_v1_across_the_loss_o
     wait_until(lambda: not serving_processes(cluster), 30, "no supervisor or replica left on either host")
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_broker_restarted_while_a_launch_is_in_flight_starts_the_run_exactly_once(cluster):
+def a_broker_restarted_while_a_launch_is_in_flight_starts_the_run_exactly_once(cluster: Cluster) -> None:
     spec = {"layout": {"dp": 2}, "nodes": {"min": 2, "max": 2, "nproc_per_node": 1}, "train": TRAIN}
     run_id = submit(cluster, "through a restart", spec).json()["id"]
     # The launch task, or the start tasks it sends to the hosts, are in the broker now: a restart

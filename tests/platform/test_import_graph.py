@@ -78,3 +78,46 @@ def test_no_app_imports_another_apps_views() -> None:
         and module != "controlplane.urls"
     )
     assert crossing == []
+
+
+def test_placement_decides_and_claims_while_the_runs_side_records() -> None:
+    """hosts.scheduling reaches runs.services and the launch only through the `RunsSide` its
+    caller hands it: it records no run event itself."""
+    assert import_graph()["hosts.scheduling"] & {"runs.services", "launch.run_agents", "launch.executors"} == set()
+
+
+def test_settings_import_no_app() -> None:
+    """Settings read the environment; each app checks what is its own when Django starts."""
+    graph = import_graph()
+    assert "controlplane.env" in graph["controlplane.settings"], "the graph sees settings' imports"
+    assert {t for t in graph["controlplane.settings"] if t.split(".")[0] != "controlplane"} == set()
+
+
+def test_no_app_imports_another_apps_private_names() -> None:
+    """A name with a leading underscore is its module's own: what two apps share is public."""
+    crossing = []
+    for path in PLATFORM.rglob("*.py"):
+        if "migrations" in path.parts:
+            continue
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if (PLATFORM / node.module.split(".")[0]).is_dir() and node.module.split(".")[0] != module.split(".")[0]:
+                    crossing += [f"{module} imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert crossing == []
+
+
+def test_runs_and_deployments_never_ask_which_executor_they_have() -> None:
+    """They call the executor `launch.executors` gives them; none compares it with one of the
+    three (a Slurm-only task may still name SLURM to ask Slurm)."""
+    asking = []
+    for path in PLATFORM.rglob("*.py"):
+        if "migrations" in path.parts or path.parent.name == "launch":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, ast.Is | ast.IsNot) for op in node.ops):
+                named = [n.attr for n in [node.left, *node.comparators] if isinstance(n, ast.Attribute)]
+                if set(named) & {"LOCAL", "HOSTS", "SLURM"}:
+                    asking.append(f"{_module_name(path)}:{node.lineno}")
+    assert asking == []
+    assert "hosts.capacity" not in {t for m, ts in import_graph().items() if m.startswith("deployments.") for t in ts}

@@ -9,7 +9,8 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
-from runs import launcher, services
+from launch import run_agents
+from runs import services
 from runs.models import Run, RunEvent
 
 pytestmark = pytest.mark.django_db
@@ -28,7 +29,7 @@ def token_of_sender(run: Run, body) -> str:
     """The token of the node the batch names (node 0's where it names none)."""
     source = body.get("source") if isinstance(body, dict) else None
     node = int(source[5:]) if isinstance(source, str) and source[5:].isdigit() else 0
-    return launcher.node_token(run.pk, 1, node)
+    return run_agents.node_token(run.pk, 1, node)
 
 
 def ingest(client, run: Run, body) -> object:

@@ -26,7 +26,8 @@ from hosts import services as host_services
 from hosts.models import DeviceClaim, Host
 from hosts.scheduling import orphans_on, place_deployment
 from hosts.tasks import schedule_and_start, watch_hosts
-from runs import launcher, services
+from launch import run_agents
+from runs import services
 from runs.models import Checkpoint, Run
 from runs.tasks import LAUNCH_GRACE, launch_run, reconcile_runs
 from serving.vllm import ReplicaOptions
@@ -81,7 +82,7 @@ def real_store() -> None:
 
 @pytest.fixture(autouse=True)
 def store_stand_ins(request, monkeypatch):
-    """A run on several hosts gets its rendezvous store on this machine (`launcher.start_store_here`);
+    """A run on several hosts gets its rendezvous store on this machine (`run_agents.start_store_here`);
     here the test holds the store's lock instead, where a torch store would idle for two minutes
     after each test."""
     if "real_store" in request.fixturenames:
@@ -96,7 +97,7 @@ def store_stand_ins(request, monkeypatch):
         with contextlib.suppress(BlockingIOError):  # as `flock -n`: the launch's store runs already
             fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
 
-    monkeypatch.setattr(launcher, "start_store_here", stand_in)
+    monkeypatch.setattr(run_agents, "start_store_here", stand_in)
     yield
     for lock in held:
         lock.close()
@@ -125,7 +126,7 @@ def test_a_two_node_run_is_placed_one_node_per_host_and_its_agents_start_there(a
     # each host is sent its agent, which is told its own address.
     assert run.rendezvous.startswith(f"{settings.RENDEZVOUS_ADDRESS}:")
     try:
-        wait_until(lambda: launcher.store_running_here(run, run.launch_attempts), 60, "the run's store here")
+        wait_until(lambda: run_agents.store_running_here(run, run.launch_attempts), 60, "the run's store here")
     finally:
         subprocess.run(["pkill", "-f", "--", f"--endpoint {run.rendezvous}"], check=False)
     tasks_a, tasks_b = host_tasks("host.a"), host_tasks("host.b")
@@ -521,7 +522,7 @@ def test_a_placed_run_that_one_host_never_got_the_start_of_gets_its_launch_sent_
     assert again == sent
     assert Run.objects.get(pk=run_id).launch_attempts == 1
     token = next(arg for arg in sent[f"run-{run_id}-node-1"]["args"] if arg.startswith("--run-token="))
-    assert token.removeprefix("--run-token=") == launcher.node_token(run_id, 1, 1)
+    assert token.removeprefix("--run-token=") == run_agents.node_token(run_id, 1, 1)
     assert Run.objects.get(pk=run_id).token_launch == 1
     # Once every host runs its part, nothing is sent.
     purge_host_queues()

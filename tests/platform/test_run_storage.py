@@ -18,9 +18,9 @@ from deployments.services import check_checkpoint
 from deployments.tasks import reconcile_deployments
 from runs import exports
 from runs.models import Checkpoint, Dataset, Run
+from serving.deployment_config import DeploymentConfig
 from serving.export_store import local_copy
 from serving.state import DeploymentDir
-from serving.supervisor import DeploymentConfig
 from tests.faults.harness import training_spec
 from tests.platform.test_runs_api import ingest, token_for
 from tools.check_parity import launch
@@ -170,7 +170,7 @@ def test_a_supervisor_that_cannot_download_its_export_fails_the_deployment_namin
     deployment = Deployment.objects.create(
         owner=alice, name="d", checkpoint=checkpoint, served_model_name="torn", status=Deployment.Status.STARTING
     )
-    config = DeploymentConfig(name="torn", checkpoint=torn, state_dir=str(deployment.folder), python=sys.executable)
+    config = DeploymentConfig(name="torn", export=torn, state_dir=str(deployment.folder), python=sys.executable)
     log = DeploymentDir(deployment.folder).supervisor_log
     log.parent.mkdir(parents=True)
     with log.open("wb") as out:

@@ -7,7 +7,7 @@ import json
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from runs import launcher
+from launch import run_agents
 from runs.models import Checkpoint, Run
 
 pytestmark = pytest.mark.django_db
@@ -130,9 +130,9 @@ def test_clone_merges_edits_and_validates_them(alice_api):
 
 
 def token_for(run_id: int, node: int = 0) -> str:
-    """Node `node`'s token in the run's first launch, as `launcher.prepare` makes it current."""
+    """Node `node`'s token in the run's first launch, as `run_agents.prepare` makes it current."""
     Run.objects.filter(pk=run_id).update(token_launch=1)
-    return launcher.node_token(run_id, 1, node)
+    return run_agents.node_token(run_id, 1, node)
 
 
 def ingest(client, run_id, token, events, source="node-0"):
@@ -230,8 +230,8 @@ def test_the_planner_names_a_bad_query_parameter(alice_api):
 
 def test_the_agent_reads_the_run_token_it_is_launched_with_even_one_starting_with_a_dash(alice_api):
     """secrets.token_urlsafe starts with "-" once in 64 tokens; argparse must not take it for an option."""
-    from runs.launcher import agent_arguments
-    from training.agent.node_agent import _parse_args
+    from launch.run_agents import agent_arguments
+    from training.agent.cli import _parse_args
 
     run = Run.objects.get(pk=alice_api.post("/api/runs/", {"name": "t", "recipe": "tiny"}, format="json").json()["id"])
     for token in ("-dash-first_token", "plain-token"):

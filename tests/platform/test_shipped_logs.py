@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from hosts.models import DeviceClaim, Host
-from runs import launcher
+from launch import run_agents
 from runs.models import Run
 from training.agent.log_shipper import LogShipper, ShipperConfig
 from training.run_dir import RunDir
@@ -21,7 +21,7 @@ from training.run_dir import RunDir
 
 def token_of(url: str, node: int = 0) -> str:
     """Node `node`'s token in the first launch of the run whose shipped-logs `url` this is."""
-    return launcher.node_token(int(url.rstrip("/").split("/")[-2]), 1, node)
+    return run_agents.node_token(int(url.rstrip("/").split("/")[-2]), 1, node)
 
 UVICORN_KEEP_ALIVE_S = 5  # uvicorn's --timeout-keep-alive default, which the web command keeps
 
@@ -30,7 +30,7 @@ def shipper(url: str, host_run: RunDir, host: str, node: int = 0) -> LogShipper:
     return LogShipper(
         ShipperConfig(
             logs_url=url, run_token=token_of(url, node), logs_dir=host_run.logs_dir, node=host_run.node(node),
-            node_rank=node, host=host, poll_interval=0.2,
+            node_rank=node, address=host, poll_interval=0.2,
         )
     )  # fmt: skip
 
@@ -44,7 +44,7 @@ def ship(url: str, host_run: RunDir, host: str) -> LogShipper:
 
 
 def post(url: str, token: str, **piece: object) -> httpx.Response:
-    body = {"host": "10.0.0.5", "node": 0, "probe": "none", "file": "rank0.log", "offset": 0, "chunk": "", **piece}
+    body = {"address": "10.0.0.5", "node": 0, "probe": "none", "file": "rank0.log", "offset": 0, "chunk": "", **piece}
     return httpx.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
 
@@ -118,9 +118,9 @@ def test_a_placed_nodes_logs_are_taken_only_as_its_hosts(alice, client) -> None:
     host = Host.objects.create(name="a", address="10.0.0.5", devices=[{"index": 0, "kind": "cpu"}])
     DeviceClaim.objects.create(host=host, device=0, run=run, node=0)
     url = f"/api/runs/{run.pk}/shipped-logs/"
-    body = {"host": "10.0.0.6", "node": 0, "probe": "none", "file": "rank0.log", "offset": 0, "chunk": ""}
+    body = {"address": "10.0.0.6", "node": 0, "probe": "none", "file": "rank0.log", "offset": 0, "chunk": ""}
     auth = {"HTTP_AUTHORIZATION": f"Bearer {token_of(url)}"}
     elsewhere = client.post(url, body, content_type="application/json", **auth)
     assert elsewhere.status_code == 403
-    assert elsewhere.json() == {"detail": "host: node 0 runs on 10.0.0.5; got '10.0.0.6'"}
-    assert client.post(url, {**body, "host": "10.0.0.5"}, content_type="application/json", **auth).json() == {"offset": 0}
+    assert elsewhere.json() == {"detail": "address: node 0 runs on 10.0.0.5; got '10.0.0.6'"}
+    assert client.post(url, {**body, "address": "10.0.0.5"}, content_type="application/json", **auth).json() == {"offset": 0}

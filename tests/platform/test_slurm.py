@@ -222,11 +222,12 @@ def test_a_job_at_its_time_limit_checkpoints_on_the_signal_and_its_requeued_job_
     slurm, signal_lead_of_5_s, alice, live_web, celery_worker_with_beat, tmp_path
 ):
     client = api(live_web, alice)
-    # At least 80 s of training (rank 0 waits 0.2 s at each step's start, however fast the host:
-    # on a quiet one the 400 steps alone took 26 s and finished inside the first job), more than
-    # one job of a 1-minute time limit holds. The only periodic checkpoint is the last step's, so
-    # any other was the signal's.
-    steps = 400
+    # At least 60 s of training (rank 0 waits 0.2 s at each step's start, however fast the host:
+    # on a quiet one 400 steps alone took 26 s and finished inside the first job), more than one
+    # job of a 1-minute time limit holds: its signal comes at most 55 s into it, its agent and
+    # ranks take seconds to start. The only periodic checkpoint is the last step's, so any other
+    # was the signal's.
+    steps = 300
     spec = {
         "layout": {"dp": 2},
         "train": {"steps": steps, "checkpoint_interval": steps, "global_batch": 4},

@@ -77,10 +77,8 @@ def test_it_rejects_a_bad_slurm_option_naming_the_field(alice_api, settings, opt
 
 
 def test_a_run_keeps_its_slurm_options_resolved_over_the_defaults(alice_api, settings):
-    from runs.slurm_options import SlurmOptions
-
     settings.EXECUTOR = "slurm"
-    settings.SLURM_DEFAULTS = SlurmOptions(account="lab", time_limit="2-00")
+    settings.SLURM_DEFAULTS = {**settings.SLURM_DEFAULTS, "account": "lab", "time_limit": "2-00"}
     response = create_run(alice_api, slurm={"time_limit": "30", "gpus_per_node": 8})
     assert response.status_code == 201, response.content
     assert response.json()["slurm"] == {"partition": "", "account": "lab", "qos": "", "time_limit": "30", "gpus_per_node": 8}
@@ -92,6 +90,6 @@ def test_a_run_keeps_its_slurm_options_resolved_over_the_defaults(alice_api, set
     [("0", None), ("1", 60), ("1:30", 90), ("2:00:00", 7200), ("1-0", 86400), ("1-2:3", 93780), ("1-2:3:4", 93784)],
 )
 def test_a_time_limit_is_read_in_each_of_slurms_formats(time_limit, seconds):
-    from runs.slurm_options import time_limit_seconds
+    from launch.slurm_options import time_limit_seconds
 
     assert time_limit_seconds(time_limit) == seconds

@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serving.deployment_config import DeploymentConfig
 from serving.state import read_state
-from serving.supervisor import DeploymentConfig, launch_detached, request_stop
+from serving.supervisor import launch_detached, request_stop
 from serving.vllm import ReplicaOptions
 from tests.ports import free_port
 from tools.tiny_checkpoint import build_tiny_llama
@@ -118,7 +119,7 @@ def start_deployment(
     both afterwards (and kill whatever is left, so a failed test leaks no replica)."""
     config = DeploymentConfig(
         name=name,
-        checkpoint=str(checkpoint),
+        export=str(checkpoint),
         state_dir=str(tmp / name),
         python=vllm_python,
         replicas=replicas,

@@ -1,7 +1,8 @@
 """A real deployment: a detached supervisor with two vLLM replicas behind the router app.
 
-The tests run in file order on one deployment (started once for the module): traffic and
-metrics first, then a replica is killed under load, and last the deployment is stopped.
+The tests run in file order on one deployment (started once for the module): traffic, what it
+serves against `transformers` on the same weights and tokenizer, and metrics first, then a
+replica is killed under load, and last the deployment is stopped.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
+import transformers
 
-from serving.metrics import histogram_quantile, parse_prometheus, poll, rates_between, scrape
+from serving.replica_metrics import histogram_quantile, parse_prometheus, poll, rates_between, scrape
 from serving.router import Timeouts
 from serving.state import read_events, read_state
 from serving.supervisor import request_stop
@@ -30,6 +33,20 @@ from training.ports import REPLICA_PORTS
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STREAM_TOKENS = 300  # long enough that all 20 streams are mid-flight when a replica is killed
+# What parity is checked on: greedy completions and prompt logprobs of these.
+PARITY_PROMPTS = [
+    "the cat sees",
+    "a dog follows the moon",
+    "my friend draws three apples",
+    "the robot carries a red box near",
+    "12 13 14 15",
+    "the teacher finds",
+    "a child counts the river under the tree. the bird",
+    "7 8 9",
+    "the bird likes a small boat",
+    "the cat sees a dog at home. my friend",
+]
+PARITY_NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +140,62 @@ async def test_chat_and_completions_work_through_the_router_with_the_openai_clie
     completion = await client.completions.create(model="tiny", prompt="a dog finds", max_tokens=8, temperature=0)
     assert completion.choices[0].text
     await client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    model.eval()
+    return model, transformers.AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+async def test_what_it_serves_matches_transformers_in_prompt_logprobs_and_greedy_completions(
+    deployment: RunningDeployment, reference
+) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = reference
+    client = openai.AsyncOpenAI(base_url=f"{deployment.router_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    worst_logprob_gap = 0.0
+    same_completion = 0
+    for prompt in PARITY_PROMPTS:
+        ids = tokenizer(prompt).input_ids
+        served = await client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=PARITY_NEW_TOKENS,
+            temperature=0,
+            extra_body={"prompt_logprobs": 0, "return_token_ids": True},
+        )
+        choice = served.choices[0]
+        extra = choice.model_extra or {}
+        served_prompt_logprobs = extra["prompt_logprobs"]
+        assert served_prompt_logprobs[0] is None and len(served_prompt_logprobs) == len(ids)
+
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+            expected = torch.log_softmax(logits.double(), dim=-1)
+            greedy = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=PARITY_NEW_TOKENS,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        for position in range(1, len(ids)):
+            token = ids[position]
+            entry = served_prompt_logprobs[position][str(token)]  # keyed by the prompt's own token id
+            gap = abs(entry["logprob"] - expected[position - 1, token].item())
+            worst_logprob_gap = max(worst_logprob_gap, gap)
+
+        reference_tokens = greedy[0, len(ids) :].tolist()
+        served_tokens = list(extra["token_ids"])
+        if served_tokens == reference_tokens[: len(served_tokens)] and len(served_tokens) == len(reference_tokens):
+            same_completion += 1
+    await client.close()
+    print(
+        f"worst prompt logprob gap {worst_logprob_gap:.2e}; {same_completion}/{len(PARITY_PROMPTS)} greedy completions identical"
+    )
+    assert worst_logprob_gap < 1e-3
+    assert same_completion >= 9, f"{same_completion} of {len(PARITY_PROMPTS)} greedy completions matched"
 
 
 def test_a_replica_keeps_an_idle_connection_open_past_vllms_own_5_s(deployment: RunningDeployment) -> None:

@@ -1,8 +1,10 @@
 """Exports quantized by llmcompressor (`python -m serving.quantize`, its own env) to int8 (W8A8)
 and int4 (W4A16), calibrated on the model's own training text, served on real vLLM CPU replicas
-through Fathom's options, checks, supervisor and router, and compared with the float export by
-next-token agreement from the replicas' `prompt_logprobs`. vLLM's CPU build has its int4 kernel
-only for AVX-512 CPUs: on an AVX2 host the int4 export is made and its deployment refused."""
+through Fathom's options, checks, supervisor and router, and compared with the float model by
+next-token agreement: the replicas' `prompt_logprobs` against `transformers` in float32 on the
+float export, which a float32 replica matches to within 1e-3 nats (tests/serving/test_deployment.py).
+vLLM's CPU build has its int4 kernel only for AVX-512 CPUs: on an AVX2 host the int4 export is
+made and its deployment refused."""
 
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
+import transformers
 
 from hostworker.devices import cpu_flags
+from serving.deployment_config import DeploymentConfig
 from serving.quality import Choices, next_token_choices, top1_agreement
 from serving.quantize import SUMMARY_FILE, folder_size
 from serving.state import read_events, read_state
-from serving.supervisor import DeploymentConfig, launch_detached
+from serving.supervisor import launch_detached
 from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, replica_dtype
 from tests.serving.conftest import REPO, process_alive, start_deployment, wait_until
 from tools.tiny_checkpoint import TinyLlamaSpec, generated_text
@@ -50,6 +55,22 @@ TIE_NATS = 1.0
 OPTIONS = ReplicaOptions(max_model_len=256, max_num_seqs=4, enforce_eager=True, dtype="float32")
 
 
+def _float_choices(checkpoint: Path, top: int = 2) -> list[Choices]:
+    """The float model's `top` best next tokens at every position after the first of every
+    prompt, in order, as `next_token_choices` reads them off a replica."""
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    choices: list[Choices] = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt).input_ids
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
+            best = logprobs.topk(top, dim=-1)
+            choices += [list(zip(t.tolist(), v.tolist(), strict=True)) for v, t in zip(best.values, best.indices, strict=True)]
+    return choices
+
+
 def _quantize(python: str, export: Path, out: Path, scheme: str, calibration: Path) -> dict:  # type: ignore[type-arg]
     """Run the real command line and return its last line (the summary)."""
     done = subprocess.run(
@@ -69,19 +90,17 @@ async def _served_choices(tmp: Path, checkpoint: Path, vllm_python: str, name: s
     # A quantized export in the dtype its deployment gets here (serving.vllm.replica_dtype): int4's
     # CPU kernel computes in bfloat16 only, int8's AMX kernel takes bfloat16 activations, and
     # oneDNN's int8 (no AMX) float32. So each figure is what a deployment of it gives.
-    dtype = OPTIONS.dtype
-    if quantization != "none":
-        dtype = replica_dtype(ReplicaOptions(quantization=quantization), HOST)  # type: ignore[arg-type]
+    dtype = replica_dtype(ReplicaOptions(quantization=quantization), HOST)  # type: ignore[arg-type]
     options = ReplicaOptions(**{**OPTIONS.to_dict(), "quantization": quantization, "dtype": dtype})
     check_compatible(options, CheckpointInfo.read(checkpoint), HOST)
     with contextlib.contextmanager(start_deployment)(
         tmp, checkpoint, vllm_python, name=name, replicas=1, options=options
     ) as deployment:
-        if quantization != "none":  # it answers the official client like any deployment
-            client = openai.AsyncOpenAI(base_url=f"{deployment.router_url}/v1", api_key="unused", max_retries=0)
-            answer = await client.completions.create(model=name, prompt="the cat sees", max_tokens=8, temperature=0)
-            await client.close()
-            assert answer.choices[0].text.strip(), answer
+        # It answers the official client like any deployment.
+        client = openai.AsyncOpenAI(base_url=f"{deployment.router_url}/v1", api_key="unused", max_retries=0)
+        answer = await client.completions.create(model=name, prompt="the cat sees", max_tokens=8, temperature=0)
+        await client.close()
+        assert answer.choices[0].text.strip(), answer
         async with httpx.AsyncClient(timeout=120) as http:
             choices = await next_token_choices(http, deployment.router_url, name, PROMPTS)
     # A new replica answered every request without dying (bfloat16 runs AMX kernels on AMX CPUs).
@@ -97,7 +116,7 @@ async def test_int8_and_int4_exports_made_by_llmcompressor_serve_on_cpu_close_to
     calibration = tmp_path / "train.txt"
     calibration.write_text("\n\n".join(" ".join(lines[i : i + 8]) for i in range(0, len(lines), 8)))
 
-    reference = await _served_choices(tmp_path, tiny_checkpoint, vllm_python, "tiny", "none")
+    reference = _float_choices(tiny_checkpoint)
     assert len(reference) >= 200
     for scheme, served_as in (("int8", "int8_w8a8"), ("int4", "int4")):
         out = tmp_path / "exports" / f"tiny-{scheme}"  # apart from the deployments' state folders
@@ -132,7 +151,7 @@ def _forced_to_float32_it_fails_after_two_starts_with_the_kernels_error(tmp: Pat
     never called ready, and after the second death the same way it fails with the engine's
     error line instead of restarting forever."""
     config = DeploymentConfig(
-        name="forced", checkpoint=str(export), state_dir=str(tmp / "forced"), python=vllm_python, replicas=1,
+        name="forced", export=str(export), state_dir=str(tmp / "forced"), python=vllm_python, replicas=1,
         options=ReplicaOptions(**{**OPTIONS.to_dict(), "quantization": "int4", "dtype": "float32"}),
         ready_timeout_s=300, health_interval_s=1.0, restart_backoff_s=0.5,
     )  # fmt: skip

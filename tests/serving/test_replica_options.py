@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from hostworker.devices import cpu_flags
-from serving.supervisor import DeploymentConfig, engine_error, replica_gpus
+from serving.deployment_config import DeploymentConfig, replica_gpus
+from serving.supervisor import engine_error
 from serving.vllm import (
     REPLICA_SITE,
     CheckpointInfo,
@@ -372,7 +373,7 @@ def test_each_cuda_replica_is_launched_on_its_own_gpus(tmp_path: Path) -> None:
 def test_a_deployment_config_round_trips_through_json_and_checks_its_fields(tmp_path: Path) -> None:
     config = DeploymentConfig(
         name="tiny",
-        checkpoint="/c",
+        export="/c",
         state_dir=str(tmp_path),
         python="py",
         replicas=2,
@@ -387,6 +388,10 @@ def test_a_deployment_config_round_trips_through_json_and_checks_its_fields(tmp_
         assert error_of(dataclasses.replace, config, ports=ports).field == "ports"
     assert error_of(dataclasses.replace, config, cpu_binds=("zero",)).field == "cpu_threads_bind"
     assert error_of(DeploymentConfig.from_dict, {**config.to_dict(), "replica": 3}).field == "replica"
+    # A config file written before `checkpoint` was renamed `export` (a supervisor restarted
+    # across the upgrade) still reads.
+    written_before = {("checkpoint" if k == "export" else k): v for k, v in config.to_dict().items()}
+    assert DeploymentConfig.from_dict(written_before) == config
 
 
 def test_a_cpu_replicas_processes_may_run_amx_tile_instructions_where_the_cpu_has_them() -> None:

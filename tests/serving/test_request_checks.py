@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from serving.errors import OpenAIError, normalize_error_body
 from serving.gateway import Gateway
+from serving.openai_errors import OpenAIError, normalize_error_body
 from serving.openai_requests import PromptCounter, ServedModel, check_request
 from serving.router import Router, StaticReplicas
 

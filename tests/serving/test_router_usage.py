@@ -2,7 +2,7 @@
 (streams included, asked for or not), and the weight of a request for n samples.
 
 Backends here are scripted (the `Backend` interface) so that a stream can be cut at any byte;
-real vLLM streams through the router in tests/platform/test_openai_passthrough.py."""
+real vLLM streams through the router in tests/platform/test_v1_served.py."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from serving.deployment_config import DeploymentConfig
 from serving.state import ReplicaEvent, read_events, read_state
-from serving.supervisor import DeploymentConfig, Supervisor, launch_detached
+from serving.supervisor import Supervisor, launch_detached
 from tests.ports import free_port
 from tests.serving.conftest import process_alive
 
@@ -31,7 +32,7 @@ def stand_in(tmp_path: Path, script: str) -> str:
 def config(tmp_path: Path, python: str, **overrides: object) -> DeploymentConfig:
     values: dict = {
         "name": "tiny",
-        "checkpoint": str(tmp_path / "ckpt"),
+        "export": str(tmp_path / "ckpt"),
         "state_dir": str(tmp_path / "state"),
         "python": python,
         "replicas": 1,

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import s3fs
 
+from hostworker.started_environment import StartedEnvironment
 from tests.faults.harness import training_spec
 from tools.s3_server import S3Server
-from training.config import RunSpec
-from training.data import dataset_cache_root
+from training.config import DataConfig, RunSpec
+from training.data import prepare_data
+from training.rank_environment import RankEnvironment
 from training.storage import StorageError, dataset_url, fetch_dataset
 
 CORPUS = b"".join(f"document {i}: the quick brown fox jumps over the lazy dog\n".encode() for i in range(60_000))
@@ -77,11 +79,24 @@ def test_a_missing_dataset_object_or_wrong_credentials_are_named(
         fetch_dataset(url, tmp_path / "cache")
 
 
-def test_ranks_cache_datasets_in_their_hosts_data_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FATHOM_DATA_DIR", str(tmp_path / "host"))
-    assert dataset_cache_root(tmp_path / "run" / "data") == tmp_path / "host" / "cache"
-    monkeypatch.delenv("FATHOM_DATA_DIR")
-    assert dataset_cache_root(tmp_path / "run" / "data") == tmp_path / "run" / "data" / "cache"
+def test_ranks_cache_datasets_in_their_hosts_data_folder(tmp_path: Path, s3: S3Server) -> None:
+    """An agent hears its machine's data folder from the host worker (FATHOM_DATA_DIR) and names
+    its cache to each rank, which downloads the dataset there; without one, the run's data
+    folder keeps it."""
+    run_data = tmp_path / "run" / "data"
+    on_host = StartedEnvironment.from_environ({"FATHOM_DATA_DIR": str(tmp_path / "host")})
+    assert on_host.cache_root(run_data / "cache") == tmp_path / "host" / "cache"
+    assert StartedEnvironment.from_environ({}).cache_root(run_data / "cache") == run_data / "cache"
+    told = RankEnvironment(
+        run_dir=tmp_path / "run", node_rank=0, attempt=0, heartbeat_file=tmp_path / "beat", heartbeat_interval=0.25,
+        events_file=tmp_path / "events.jsonl", download_cache=on_host.cache_root(run_data / "cache"),
+    )  # fmt: skip
+    heard = RankEnvironment.from_environ(told.to_environ())
+    assert heard is not None and heard.download_cache == tmp_path / "host" / "cache"
+    prepare_data(DataConfig(dataset=stored(s3)), vocab_size=300, seq_len=16, work_dir=run_data, download_cache=heard.download_cache)
+    digest = hashlib.sha256(CORPUS).hexdigest()
+    assert (tmp_path / "host" / "cache" / "datasets" / digest / "corpus.txt").read_bytes() == CORPUS
+    assert not (run_data / "cache").exists()
 
 
 @pytest.mark.slow

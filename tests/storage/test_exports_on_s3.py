@@ -17,8 +17,9 @@ import pytest
 import s3fs
 
 from serving import export_store
+from serving.deployment_config import DeploymentConfig
 from serving.export_store import MANIFEST, ExportStoreError
-from serving.supervisor import DeploymentConfig, export_cache_root
+from serving.supervisor import export_cache_root
 from tools.s3_server import S3Server
 
 FILES = {
@@ -112,7 +113,7 @@ def test_the_web_process_downloads_only_the_tokenizer(tmp_path: Path, s3: S3Serv
 
 
 def test_a_supervisor_caches_exports_in_its_hosts_data_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = DeploymentConfig(name="m", checkpoint="s3://fathom/x", state_dir=str(tmp_path / "deployment"), python="python")
+    config = DeploymentConfig(name="m", export="s3://fathom/x", state_dir=str(tmp_path / "deployment"), python="python")
     monkeypatch.setenv("FATHOM_DATA_DIR", str(tmp_path / "host"))
     assert export_cache_root(config) == tmp_path / "host" / "cache"
     monkeypatch.delenv("FATHOM_DATA_DIR")

@@ -7,6 +7,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -69,16 +71,18 @@ def test_the_control_plane_takes_from_training_only_the_config_the_planner_the_r
         "training.storage", "training.checkpoint_storage",
         # Torch-free: a pretrained folder's model, checked at registration and resolved at submit.
         "training.pretrained",
-        # Stdlib only: the rendezvous port of a run on this machine.
-        "training.ports",
+        # Stdlib only: the rendezvous port of a run on this machine; the base of every field error.
+        "training.ports", "training.field_error",
     )  # fmt: skip
     assert offending("platform", allowed, ("training",)) == {}
 
 
-def test_training_knows_nothing_of_serving_and_serving_takes_from_training_only_the_port_rule() -> None:
+def test_training_knows_nothing_of_serving_and_serving_takes_from_training_only_the_port_rule_and_field_errors() -> None:
     assert offending("training", (), ("serving", "django", "platform", "controlplane")) == {}
-    # Stdlib only: replica ports are picked by the rule rendezvous ports are (one range each).
-    assert offending("serving", ("training.ports",), ("training", "django", "platform", "controlplane")) == {}
+    # Stdlib only: replica ports are picked by the rule rendezvous ports are (one range each), and
+    # a replica option's error is a field error as a spec's is.
+    allowed = ("training.ports", "training.field_error")
+    assert offending("serving", allowed, ("training", "django", "platform", "controlplane")) == {}
 
 
 def test_the_host_worker_imports_no_part_of_fathom_and_no_django() -> None:
@@ -88,17 +92,42 @@ def test_the_host_worker_imports_no_part_of_fathom_and_no_django() -> None:
     assert offending("hostworker", (), parts) == {}
 
 
-def test_of_the_host_worker_the_agent_and_the_supervisor_take_only_the_shipper() -> None:
-    # Both ship a folder a host keeps to itself by one append protocol (hostworker.shipper);
-    # the ranks' code ships nothing, and nothing else of the host worker (celery) is theirs.
+def test_of_the_host_worker_the_agent_and_the_supervisor_take_only_the_shipper_and_what_it_tells_them() -> None:
+    # Both ship a folder a host keeps to itself by one append protocol (hostworker.shipper), and
+    # read what the host worker tells what it starts in one place (hostworker.started_environment);
+    # the ranks' code hears from its agent alone, and nothing else of the host worker (celery) is theirs.
+    shared = ("hostworker.shipper", "hostworker.started_environment")
     wrong = offending("training", (), ("hostworker",))
     assert {m: n for m, n in wrong.items() if not m.startswith("training/agent/")} == {}
-    assert offending("training/agent", ("hostworker.shipper",), ("hostworker",)) == {}
-    assert offending("serving", ("hostworker.shipper",), ("hostworker",)) == {}
+    assert offending("training/agent", shared, ("hostworker",)) == {}
+    assert offending("serving", shared, ("hostworker",)) == {}
 
 
-def test_the_shipper_takes_only_the_standard_library() -> None:
+@pytest.mark.parametrize("module", ["hostworker/shipper.py", "hostworker/started_environment.py"])
+def test_what_the_agent_and_the_supervisor_take_of_the_host_worker_is_standard_library_only(module: str) -> None:
     # Imported by the node agent and the supervisor, which have neither celery nor each other's
     # dependencies, and it must not start the host worker's app by importing it.
-    names = imports_of(REPO / "hostworker")["hostworker/shipper.py"]
+    names = imports_of(REPO / "hostworker")[module]
     assert sorted(n for n in names if n.split(".")[0] not in sys.stdlib_module_names) == []
+
+
+def test_each_variable_fathom_passes_to_what_it_starts_is_read_in_one_place() -> None:
+    """FATHOM_* variables are read by settings (the control plane), hostworker/config.py (the host
+    worker), hostworker/started_environment.py (what it starts) and training/rank_environment.py
+    (the ranks), and nowhere else in the product."""
+    readers = {"platform/controlplane/settings.py", "platform/controlplane/env.py", "hostworker/config.py",
+               "hostworker/started_environment.py", "training/rank_environment.py"}  # fmt: skip
+    reading = []
+    for folder in ("training", "serving", "hostworker", "platform"):
+        for path in (REPO / folder).rglob("*.py"):
+            module = str(path.relative_to(REPO))
+            if module in readers or "migrations" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "getenv"):
+                    if node.args and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("FATHOM_"):
+                        reading.append(f"{module}: {node.args[0].value}")
+                elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                    if str(node.slice.value).startswith("FATHOM_") and isinstance(node.ctx, ast.Load):
+                        reading.append(f"{module}: {node.slice.value}")
+    assert reading == []

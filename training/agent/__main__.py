@@ -1,7 +1,8 @@
-"""`python -m training.agent`: one node's agent (training.agent.node_agent)."""
+"""`python -m training.agent`: one node's agent (training.agent.node_agent), from its command
+line (training.agent.cli)."""
 
 import sys
 
-from training.agent.node_agent import main
+from training.agent.cli import main
 
 sys.exit(main())

@@ -6,11 +6,11 @@ ranks, its agent and its standbys write under `logs/` travels over HTTP, as even
 append protocol of `hostworker.shipper`:
 
     POST {logs_url}   Authorization: Bearer {run_token}
-    {"host": "10.0.0.5", "node": 0, "probe": "<token>", "file": "rank0.log", "offset": 4096, "chunk": "<base64>"}
+    {"address": "10.0.0.5", "node": 0, "probe": "<token>", "file": "rank0.log", "offset": 4096, "chunk": "<base64>"}
     -> 200 {"offset": n}     (where the control plane's copy of this host's file ends: send from there)
     -> 200 {"shared": true}  (the control plane sees this folder itself: nothing needs shipping)
 
-The control plane keeps one copy per host and file. The probe goes into this node's folder.
+The control plane keeps one copy per host (by its address) and file. The probe goes into this node's folder.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ShipperConfig:
     logs_dir: Path  # this host's `logs/` of the run
     node: NodeDir  # where the probe is written
     node_rank: int
-    host: str  # this host's address: the control plane keeps one copy per host and file
+    address: str  # this host's address: the control plane keeps one copy per host and file
     poll_interval: float = 1.0  # a new log line reaches the control plane within about this
     request_timeout: float = 10.0
 
@@ -39,7 +39,7 @@ class LogShipper(AppendShipper):
 
     def __init__(self, config: ShipperConfig) -> None:
         endpoint = Endpoint(
-            url=config.logs_url, token=config.run_token, fields={"host": config.host, "node": config.node_rank},
+            url=config.logs_url, token=config.run_token, fields={"address": config.address, "node": config.node_rank},
             poll_interval=config.poll_interval, request_timeout=config.request_timeout,
         )  # fmt: skip
         super().__init__(endpoint, config.node.log_probe_file)

@@ -35,18 +35,14 @@ The exit status says the outcome (`ExitCode`).
 
 from __future__ import annotations
 
-import argparse
 import enum
 import logging
 import os
-import shutil
 import signal
-import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, cast
 
 from torch.distributed import Store
@@ -57,22 +53,20 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerSpec,
     WorkerState,
 )
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.elastic.rendezvous import RendezvousError
 
-from training.agent.log_shipper import LogShipper, ShipperConfig
+from hostworker.started_environment import StartedEnvironment
 from training.agent.rank_processes import (
     RankProcess,
     RankSlot,
     Standby,
     activate_standby,
-    slot_cores_from_environ,
     spawn_rank,
     spawn_standby,
     stop_ranks,
     wait_for_exit,
 )
-from training.agent.uplink import Reporter, ReporterConfig
+from training.agent.uplink import Reporter
 from training.agent.watchdog import RankFailure, Watchdog, WatchdogConfig
 from training.checkpoint_storage import latest_committed_step
 from training.config import NodePlan
@@ -103,6 +97,9 @@ class AgentConfig:
     host_store: bool  # this agent runs that store (a single point of failure: keep it on node 0)
     local_addr: str | None  # address other nodes reach this one at; None: the host's FQDN
     run_id: str
+    # What the host worker (or the control plane's worker) told this agent: its host's name,
+    # the cores of its CPU slots, its machine's data folder.
+    started: StartedEnvironment = field(default_factory=StartedEnvironment.from_environ)
     entrypoint: str = "training.train"  # the module every rank runs
     # Keep one process per local rank that has already imported the entry point, so a restart
     # skips the imports (most of a restart on CPU hosts); they are started once the ranks have
@@ -187,7 +184,7 @@ class NodeAgent(SimpleElasticAgent):
         self._standbys: list[Standby] = []
         self._standbys_due = False  # replenish once the current ranks have finished a step
         # On a CPU host each local rank runs on its own slot's cores.
-        self._slot_cores = slot_cores_from_environ()
+        self._slot_cores = list(self.config.started.slot_cores)
 
     # --- SimpleElasticAgent's abstract methods ------------------------------------------
 
@@ -205,7 +202,7 @@ class NodeAgent(SimpleElasticAgent):
                 "round": self._attempt,  # the job-wide restart count; ranks see it as FATHOM_ATTEMPT
                 "node": self.config.node_rank,
                 # The Fathom host's name, which the pages know it by; a Slurm node's hostname.
-                "host": os.environ.get("FATHOM_HOST_NAME") or socket.gethostname(),
+                "host": self.config.started.host_name,
                 "group_rank": worker_group.group_rank,
                 "nodes": nodes,
                 "world_size": worker_group.workers[0].world_size,
@@ -231,6 +228,8 @@ class NodeAgent(SimpleElasticAgent):
                 error_file=self.config.node_dir.error_file(worker.global_rank),
                 # Only a scheduler's job asks for a checkpoint before it ends (see the module's docstring).
                 stop_request_file=self.config.folder.stop_request if self.config.sigterm_stops else None,
+                # Datasets on object storage are checked once a machine, in its data folder.
+                download_cache=self.config.started.cache_root(RunDir(self.config.run_dir).data_dir / "cache"),
             )
             env = {
                 **_process_env(),
@@ -543,169 +542,3 @@ def _torch_worker_env(group: WorkerGroup, local_rank: int, restarts: int) -> dic
         "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
         "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
     }
-
-
-# --- command line -----------------------------------------------------------------------
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m training.agent", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", type=Path, required=True)
-    parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT; default: a free local port (one node)")
-    parser.add_argument("--host-store", choices=("auto", "yes", "no"), default="auto", help="auto: node 0 hosts it")
-    parser.add_argument("--local-addr", default=None, help="address other nodes reach this one at")
-    parser.add_argument(
-        "--run-id", default=None, help="rendezvous id shared by the run's agents; default: run folder name"
-    )
-    parser.add_argument("--events-url", default=None)
-    parser.add_argument("--run-token", default=None)
-    parser.add_argument(
-        "--logs-url", default=None,
-        help="where to ship the logs of this host's run folder (a host the control plane cannot read)",
-    )  # fmt: skip
-    parser.add_argument("--entrypoint", default="training.train", help="module each rank runs with --spec/--run-dir")
-    parser.add_argument("--no-standby", action="store_true", help="start every rank cold (no warm standbys)")
-    parser.add_argument("--rdzv-last-call", type=float, default=AgentConfig.rdzv_last_call_timeout)
-    parser.add_argument("--rdzv-join-timeout", type=float, default=AgentConfig.rdzv_join_timeout)
-    parser.add_argument(
-        "--sigterm", choices=("cancel", "stop"), default="cancel",
-        help="stop: SIGTERM without the cancel marker ends this job, not the run (a scheduler such as Slurm sent it)",
-    )  # fmt: skip
-    return parser.parse_args(argv)
-
-
-def _is_loopback(endpoint: str) -> bool:
-    host = endpoint.rsplit(":", 1)[0]
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
-
-
-def _build(args: argparse.Namespace, plan: NodePlan) -> tuple[AgentConfig, Reporter, NodeAgent]:
-    run_dir = args.run_dir.resolve()
-    single = args.rdzv_endpoint is None
-    config = AgentConfig(
-        run_dir=run_dir,
-        spec_file=args.spec.resolve(),
-        node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint or f"127.0.0.1:{listen_port()}",
-        host_store=args.host_store == "yes" or (args.host_store == "auto" and (single or args.node_rank == 0)),
-        # All agents of a run on one machine (a loopback endpoint) reach each other on loopback;
-        # elsewhere the host's FQDN is what torch advertises unless --local-addr says otherwise.
-        local_addr=args.local_addr or ("127.0.0.1" if single or _is_loopback(args.rdzv_endpoint) else None),
-        run_id=args.run_id or run_dir.name,
-        entrypoint=args.entrypoint,
-        warm_standby=not args.no_standby,
-        rdzv_last_call_timeout=args.rdzv_last_call,
-        rdzv_join_timeout=args.rdzv_join_timeout,
-        sigterm_stops=args.sigterm == "stop",
-    )
-    config.node_dir.path.mkdir(parents=True, exist_ok=True)
-    reporter = Reporter(
-        ReporterConfig(
-            source=f"node-{config.node_rank}",
-            spool=config.node_dir,
-            events_url=args.events_url,
-            run_token=args.run_token,
-            tail_files=(config.node_dir.events_file,),
-        )
-    )
-    rdzv = get_rendezvous_handler(
-        RendezvousParameters(
-            backend="c10d",
-            endpoint=config.rdzv_endpoint,
-            run_id=config.run_id,
-            min_nodes=plan.nodes.min,
-            max_nodes=plan.nodes.max,
-            local_addr=config.local_addr,
-            is_host=config.host_store,
-            join_timeout=config.rdzv_join_timeout,
-            last_call_timeout=config.rdzv_last_call_timeout,
-            keep_alive_interval=config.rdzv_keep_alive_interval,
-            keep_alive_max_attempt=config.rdzv_keep_alive_max_attempt,
-        )
-    )
-    worker_spec = WorkerSpec(
-        role="trainer",
-        local_world_size=plan.nproc_per_node,
-        rdzv_handler=rdzv,
-        entrypoint=sys.executable,
-        args=("-m", config.entrypoint),
-        max_restarts=plan.nodes.max_restarts,
-        monitor_interval=config.monitor_interval,
-        local_addr=config.local_addr,
-    )
-    return config, reporter, NodeAgent(config, plan, reporter, worker_spec)
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = _parse_args(argv)
-    try:
-        plan = NodePlan.from_json(args.spec.read_text())
-    except (OSError, ValueError) as exc:  # SpecError is a ValueError
-        print(f"fathom agent: {args.spec}: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
-    # Without this, restarted ranks meet stale keys in the shared rendezvous store (seen: gloo
-    # connectFullMesh failures and hangs in 6 of 17 restarts); with it, rank 0 runs its own store.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-
-    cancelling = False
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal cancelling
-        if not cancelling:  # the first one cancels; repeats must not interrupt the clean-up
-            cancelling = True
-            raise CancelRequested
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    try:
-        config, reporter, agent = _build(args, plan)
-    except CancelRequested:
-        return ExitCode.CANCELLED
-    reporter.start()
-    shipper = None
-    if args.logs_url and args.run_token:
-        shipper = LogShipper(
-            ShipperConfig(
-                logs_url=args.logs_url, run_token=args.run_token, logs_dir=config.folder.logs_dir,
-                node=config.node_dir, node_rank=config.node_rank, host=config.local_addr or socket.gethostname(),
-            )
-        )  # fmt: skip
-        shipper.start()
-    reporter.emit(
-        "agent_started",
-        {
-            "node": config.node_rank,
-            "host": os.environ.get("FATHOM_HOST_NAME") or socket.gethostname(),  # as in rendezvous
-            "pid": os.getpid(),
-            "nproc": plan.nproc_per_node,
-            "nodes": {"min": plan.nodes.min, "max": plan.nodes.max},
-            "max_restarts": plan.nodes.max_restarts,
-            "rdzv_endpoint": config.rdzv_endpoint,
-        },
-    )
-    try:
-        outcome = agent.execute()
-    except CancelRequested:  # arrived during the clean-up of another outcome
-        outcome = interrupted(config, latest_committed_step(config.run_dir, plan.storage))
-    # The ranks' in-memory snapshots on this host are of no use once its agent is gone.
-    shutil.rmtree(config.folder.memory_snapshot_dir, ignore_errors=True)
-    reporter.emit(outcome.kind, outcome.data)
-    if not reporter.close(flush_timeout=config.report_flush_timeout):
-        logger.warning(
-            "%d events not delivered (%s); they stay in %s",
-            reporter.undelivered,
-            reporter.last_error,
-            reporter.spool.path,
-        )
-    logger.info("run %s: %s %s", config.run_id, outcome.kind, outcome.data)
-    if shipper is not None and not shipper.close(timeout=config.report_flush_timeout):
-        logger.warning("the last log lines were not shipped (%s); they stay in %s", shipper.last_error, config.folder.logs_dir)
-    return outcome.code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -53,13 +53,6 @@ class RankSlot:
     cores: frozenset[int] | None = None  # the cores of its CPU slot on a host; None: the agent's own
 
 
-def slot_cores_from_environ(environ: dict[str, str] | None = None) -> list[frozenset[int]]:
-    """The cores of each CPU slot the host worker gave this agent (FATHOM_CPU_CORES, "0,1;2,3"),
-    one slot per local rank; empty where it gave none (a GPU host, or no host worker)."""
-    text = (environ if environ is not None else os.environ).get("FATHOM_CPU_CORES", "")
-    return [frozenset(int(c) for c in part.split(",")) for part in text.split(";") if part]
-
-
 def pin(pid: int, cores: frozenset[int] | None) -> None:
     """Runs every thread of `pid` on `cores` (threads started later inherit it). A standby has
     threads already (torch is imported), so each of them is pinned, not only the process."""

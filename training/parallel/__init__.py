@@ -23,11 +23,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from training.config import RunSpec
@@ -35,10 +35,12 @@ from training.initial_weights import WeightSource, build_meta, materialize
 from training.model import Transformer
 from training.parallel.dims import ParallelDims, batch_shape
 from training.parallel.fsdp import apply_fsdp
-from training.parallel.pipeline import build_schedule, split_stage
 from training.parallel.recompute import apply_recompute
 from training.parallel.replicate import GradientAllReduce, apply_replicate
 from training.parallel.tensor import apply_tp, keep_embedding_grad_sharded
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 @dataclass
@@ -69,6 +71,10 @@ def parallelize(
     coords = dims.coordinates(rank)
     lay = spec.layout
     if dims.pp > 1:
+        # Imported here: torch's pipelining brings in TorchDynamo, a second of every rank's start
+        # that runs without a pipeline do not need.
+        from training.parallel.pipeline import build_schedule, split_stage
+
         stage_ids = dims.stage_ids(coords["pp"])
         parts = [split_stage(build_meta(spec.model), s, dims.num_stages) for s in stage_ids]
     else:

@@ -8,7 +8,7 @@
 - Memory: this host's RAM shared by the ranks.
 
 The JSON is `python -m training.planner --device-file`'s input. The `cpu` preset in
-training/planner/layout_costs.py holds what this printed on Fathom's 2-core development machine.
+training/planner/hardware.py holds what this printed on Fathom's 2-core development machine.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from training.metrics import measure_matmul_peak
-from training.planner.layout_costs import DEVICES, Device
+from training.planner.hardware import DEVICES, Device
 
 PAYLOAD_BYTES = 16 * 2**20  # large enough that bandwidth, not latency, sets the time
 REPEATS = 5

@@ -18,16 +18,9 @@ import sys
 from pathlib import Path
 
 from training.config import Precision, SpecError
-from training.planner.layout_costs import (
-    DEVICES,
-    FATHOM,
-    IMPLEMENTATIONS,
-    MODEL_NAMES,
-    Cluster,
-    Device,
-    GiB,
-    model_preset,
-)
+from training.planner.hardware import DEVICES, Cluster, Device, GiB
+from training.planner.layout_costs import FATHOM, IMPLEMENTATIONS
+from training.planner.model_shapes import MODEL_NAMES, model_preset
 from training.planner.search import PlanResult, plan, result_to_dict
 
 

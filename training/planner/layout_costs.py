@@ -25,18 +25,19 @@ The model follows what Fathom's trainer does (training/model.py, training/parall
   forward and gathers again for backward. Gathers and reductions move fp32.
 
 Everything here is arithmetic on plain numbers, with no torch at import. Sizes are bytes and
-seconds unless a name says otherwise. The search over layouts is in training/planner.py.
+seconds unless a name says otherwise. The search over layouts is in training/planner/search.py; the hardware is described in
+training/planner/hardware.py, the model's parts and the activations they save in
+training/planner/model_shapes.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from training.config import (
-    RECIPES,
     LayoutConfig,
     ModelConfig,
     NodesConfig,
@@ -47,299 +48,16 @@ from training.config import (
     SpecError,
     TrainConfig,
 )
-from training.metrics import flops_per_token
-
-GiB = float(2**30)
-
-# --- Hardware -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Device:
-    """One accelerator and its links. Bandwidths are what a ring collective sustains per device in
-    one direction (NCCL's "bus bandwidth"), not the marketing bidirectional figure."""
-
-    name: str
-    memory_gib: float
-    peak_tflops_bf16: float  # dense tensor-core peak
-    peak_tflops_fp32: float  # what a plain fp32 matmul gets (no TF32)
-    intra_node_gbps: float  # GB/s per device inside a node (NVLink / shared memory)
-    inter_node_gbps: float  # GB/s per device between nodes (its NIC share)
-    intra_node_latency_us: float = 10.0  # per collective or send; matters for small messages only
-    inter_node_latency_us: float = 30.0
-    reserved_gib: float = 3.0  # CUDA context, communicator buffers, allocator fragmentation
-    # Fraction of peak that large transformer matmuls sustain. An assumption, not a measurement:
-    # Hopper GEMMs of these shapes run at 65-75 % of the dense peak; attention and elementwise kernels less.
-    matmul_efficiency: float = 0.6
-
-    def peak_flops(self, precision: Precision) -> float:
-        return 1e12 * (self.peak_tflops_bf16 if precision == "bf16" else self.peak_tflops_fp32)
-
-
-DEVICES: dict[str, Device] = {
-    # H100 SXM: 989 dense BF16 TFLOP/s, 67 FP32; NVLink 4 at 450 GB/s per direction, of which NCCL
-    # rings reach ~360; one 400 Gb/s NIC per GPU (50 GB/s) reaching ~40.
-    "h100": Device(
-        name="H100 SXM 80 GB",
-        memory_gib=80,
-        peak_tflops_bf16=989,
-        peak_tflops_fp32=67,
-        intra_node_gbps=360,
-        inter_node_gbps=40,
-    ),
-    # H200: the H100's compute and links with 141 GB of HBM3e (nvidia-smi reports ~140 GiB).
-    "h200": Device(
-        name="H200 SXM 141 GB",
-        memory_gib=140,
-        peak_tflops_bf16=989,
-        peak_tflops_fp32=67,
-        intra_node_gbps=360,
-        inter_node_gbps=40,
-    ),
-    # A100 SXM 80 GB: 312 BF16, 19.5 FP32; NVLink 3 at 300 GB/s per direction (~230 in rings);
-    # a 200 Gb/s HDR NIC per GPU (25 GB/s, ~22 sustained). Ampere GEMMs reach a larger share of peak.
-    "a100": Device(
-        name="A100 SXM 80 GB",
-        memory_gib=80,
-        peak_tflops_bf16=312,
-        peak_tflops_fp32=19.5,
-        intra_node_gbps=230,
-        inter_node_gbps=22,
-        matmul_efficiency=0.7,
-    ),
-    # One CPU rank per core with gloo over loopback, as `python -m training.planner.calibrate --ranks 2`
-    # measured on Fathom's 2-core development machine (shared, so the link figures are noisy);
-    # rerun it elsewhere and pass the JSON with --device-file. Tiny models on CPU are dominated by
-    # per-op overhead, so step times here are optimistic; memory and traffic are what is calibrated.
-    "cpu": Device(
-        name="CPU core (gloo)",
-        memory_gib=11.8,
-        peak_tflops_bf16=0.12,
-        peak_tflops_fp32=0.045,
-        intra_node_gbps=0.98,
-        inter_node_gbps=0.98,
-        intra_node_latency_us=270,
-        inter_node_latency_us=270,
-        reserved_gib=0.3,
-        matmul_efficiency=0.5,
-    ),
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cluster:
-    device: Device
-    nodes: int
-    devices_per_node: int
-
-    def __post_init__(self) -> None:
-        for name in ("nodes", "devices_per_node"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise SpecError(name, f"must be a positive integer; got {value!r}")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.devices_per_node
-
-    def link(self, span: int) -> tuple[float, float]:
-        """(bytes/s, seconds of latency) of a group whose ranks lie within `span` consecutive ranks."""
-        d = self.device
-        if span <= self.devices_per_node:
-            return d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6
-        return d.inter_node_gbps * 1e9, d.inter_node_latency_us * 1e-6
-
-
-# --- Models ---------------------------------------------------------------------------------------
-
-
-def llama3_70b() -> ModelConfig:
-    return ModelConfig(
-        n_layers=80,
-        dim=8192,
-        n_heads=64,
-        n_kv_heads=8,
-        vocab_size=128256,
-        seq_len=8192,
-        ffn_dim=28672,
-        rope_theta=500000.0,
-    )
-
-
-def llama3_405b() -> ModelConfig:
-    return ModelConfig(
-        n_layers=126,
-        dim=16384,
-        n_heads=128,
-        n_kv_heads=8,
-        vocab_size=128256,
-        seq_len=8192,
-        ffn_dim=53248,
-        rope_theta=500000.0,
-    )
-
-
-def model_preset(name: str) -> ModelConfig:
-    """A recipe's model (tiny, small, 1b, 8b) or one of the planner's larger shapes (70b, 405b)."""
-    if name in RECIPES:
-        return RECIPES[name]().model
-    extra = {"70b": llama3_70b, "405b": llama3_405b}
-    if name in extra:
-        return extra[name]()
-    raise SpecError("model", f"must be one of {', '.join([*RECIPES, *extra])}; got {name!r}")
-
-
-MODEL_NAMES = (*RECIPES, "70b", "405b")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The model's sizes under the planner's usual letters."""
-
-    L: int  # layers
-    h: int  # hidden size
-    a: int  # query heads
-    k: int  # key/value heads
-    f: int  # SwiGLU inner size
-    V: int  # vocabulary
-    s: int  # sequence length
-
-    @classmethod
-    def of(cls, m: ModelConfig) -> Shape:
-        return cls(m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.seq_len)
-
-    @property
-    def kv(self) -> float:
-        """Width of k (or v) relative to q: grouped-query attention's k/a."""
-        return self.k / self.a
-
-    def layer_matmul_params(self) -> int:
-        """q, o: h·h each; k, v: h·h·k/a each; gate, up, down: h·f each. All split by tp."""
-        return 2 * self.h * self.h + 2 * self.h * self.h * self.k // self.a + 3 * self.h * self.f
-
-    def layer_norm_params(self) -> int:
-        """Two RMSNorm weights, replicated on every tp rank."""
-        return 2 * self.h
-
-
-def num_params(m: ModelConfig) -> int:
-    """Matches `ModelConfig.num_params()`: layers, untied embedding and head, final norm."""
-    s = Shape.of(m)
-    return s.L * (s.layer_matmul_params() + s.layer_norm_params()) + 2 * s.V * s.h + s.h
-
-
-def model_flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token used for MFU: `training.metrics.flops_per_token` itself (6 per matmul
-    weight, causal attention's score and value matmuls at half their unmasked 12·L·h·s), so the
-    planner's MFU is the one the trainer reports."""
-    return flops_per_token(m)
-
-
-# --- Activations ----------------------------------------------------------------------------------
-
-Split = Literal["sequence", "heads", "gathered"]
-Kind = Literal["act", "fp32"]
-
-
-@dataclass(frozen=True)
-class Saved:
-    """A tensor autograd keeps from forward to backward, per token of a micro-batch.
-
-    split: how tensor parallelism divides it — "sequence" (sequence-parallel slice, /tp),
-    "heads" (heads or MLP columns, /tp), "gathered" (every tp rank holds it whole).
-    kind: "act" is a matmul or attention output, in the compute precision (2 bytes under bf16
-    autocast, 4 in fp32); "fp32" is the residual stream, the norms and softmax statistics.
-    with_tp: exists only when tp > 1 (a reduce-scatter's output).
-    autocast_copies: how many bf16 copies autocast makes of it under bf16 (it casts an fp32 input
-    once per matmul that reads it, and caches casts of weights only).
-    """
-
-    name: str
-    split: Split
-    kind: Kind
-    per_token: float  # elements
-    with_tp: bool = False
-    autocast_copies: int = 1
-
-    def bytes_per_token(self, tp: int, act_bytes: int) -> float:
-        if self.with_tp and tp == 1:
-            return 0.0
-        width = 4 if self.kind == "fp32" else act_bytes
-        copies = self.autocast_copies if act_bytes == 2 else 1
-        return copies * self.per_token * width / (1 if self.split == "gathered" else tp)
-
-
-def layer_saved(s: Shape) -> list[Saved]:
-    """What one decoder block saves without recompute; measured on training/model.py with
-    saved-tensor hooks (tests/planner). Korthikanti et al. (2022) count the same way for GPT; here
-    the block is RMSNorm + GQA + SwiGLU, attention is fused (no s² score matrix is kept: the output
-    and its log-sum-exp are), the o_proj input is the attention output itself (same storage), and
-    RMSNorm saves its fp32 input and normalised tensor. Per token, tp = t:
-    (2·4h + 2·4h)/t bytes of norms, 2h·β gathered projection inputs (5h·β under bf16 autocast, which
-    casts the fp32 norm output once for each of q, k, v, gate and up), (2h + 2h·k/a + 4f)·β/t. Under
-    bf16, autocast's casts of the rotary tables (4·seq·head_dim per block) are left out: < 1 %.
-    """
-    h, f, a = s.h, s.f, s.a
-    return [
-        Saved("attention norm input", "sequence", "fp32", h),
-        Saved("attention norm 1/rms", "sequence", "fp32", 1),
-        Saved("attention norm normalised", "sequence", "fp32", h),
-        Saved("q/k/v projection input (gathered sequence)", "gathered", "act", h, autocast_copies=3),
-        Saved("q after rotary", "heads", "act", h),
-        Saved("k and v", "heads", "act", 2 * h * s.kv),
-        Saved("attention output = o_proj input", "heads", "act", h),
-        Saved("attention log-sum-exp", "heads", "fp32", a),
-        Saved("MLP norm input", "sequence", "fp32", h),
-        Saved("MLP norm 1/rms", "sequence", "fp32", 1),
-        Saved("MLP norm normalised", "sequence", "fp32", h),
-        Saved("gate/up projection input (gathered sequence)", "gathered", "act", h, autocast_copies=2),
-        Saved("gate output, silu(gate), up output, down input", "heads", "act", 4 * f),
-    ]
-
-
-def layer_saved_selective(s: Shape) -> list[Saved]:
-    """Selective recompute (training/parallel/recompute.py) keeps the outputs of matmuls, attention
-    and tensor-parallel reduce-scatters, and recomputes norms, rotary, SiLU and products. o_proj and
-    down_proj outputs are each tp rank's partial sums, whole before their reduce-scatter."""
-    h, f, a = s.h, s.f, s.a
-    return [
-        Saved("block input", "sequence", "fp32", h),
-        Saved("q, k, v projection outputs", "heads", "act", h + 2 * h * s.kv),
-        Saved("attention output", "heads", "act", h),
-        Saved("attention log-sum-exp", "heads", "fp32", a),
-        Saved("o_proj and down_proj outputs (partial sums)", "gathered", "act", 2 * h),
-        Saved("their reduce-scatter outputs", "sequence", "act", 2 * h, with_tp=True),
-        Saved("gate and up outputs", "heads", "act", 2 * f),
-    ]
-
-
-def layer_saved_full(s: Shape) -> list[Saved]:
-    """Full recompute keeps only each block's input, a sequence slice under tp."""
-    return [Saved("block input", "sequence", "fp32", s.h)]
-
-
-def output_saved(s: Shape) -> list[Saved]:
-    """The last stage's final norm, head input and fp32 log-probabilities of the full vocabulary
-    (the head gathers its logits, so they do not shrink with tp)."""
-    return [
-        Saved("final norm input", "sequence", "fp32", s.h),
-        Saved("final norm 1/rms", "sequence", "fp32", 1),
-        Saved("final norm normalised", "sequence", "fp32", s.h),
-        Saved("head input (gathered sequence)", "gathered", "act", s.h),
-        Saved("log-probabilities", "gathered", "fp32", s.V),
-    ]
-
-
-TOKEN_IDS_BYTES = 8  # int64 ids the embedding keeps on the first stage
-
-
-def saved_per_token(entries: Iterable[Saved], tp: int, act_bytes: int) -> float:
-    return sum(e.bytes_per_token(tp, act_bytes) for e in entries)
-
-
-def layer_saved_for(recompute: Recompute, s: Shape) -> list[Saved]:
-    return {"none": layer_saved, "selective": layer_saved_selective, "full": layer_saved_full}[recompute](s)
-
+from training.planner.hardware import Cluster, GiB
+from training.planner.model_shapes import (
+    TOKEN_IDS_BYTES,
+    Shape,
+    layer_saved,
+    layer_saved_for,
+    model_flops_per_token,
+    output_saved,
+    saved_per_token,
+)
 
 # --- Layouts --------------------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.planner.layout_costs import BEFORE_FIXES, DEVICES, FATHOM, Cluster, Estimate, GiB, model_preset
+from training.planner.hardware import DEVICES, Cluster, GiB
+from training.planner.layout_costs import BEFORE_FIXES, FATHOM, Estimate
+from training.planner.model_shapes import model_preset
 from training.planner.search import PlanResult, plan
 
 CLUSTER = Cluster(device=DEVICES["h100"], nodes=128, devices_per_node=8)

@@ -17,21 +17,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from training.config import ModelConfig, Precision, Schedule, SpecError
+from training.planner.hardware import DEVICES, Cluster, GiB
 from training.planner.layout_costs import (
-    DEVICES,
     FATHOM,
     IMPLEMENTATIONS,
-    MODEL_NAMES,
     Candidate,
-    Cluster,
     Estimate,
-    GiB,
     Implementation,
     Rejected,
     estimate,
-    model_preset,
-    num_params,
 )
+from training.planner.model_shapes import MODEL_NAMES, model_preset, num_params
 
 # --- The search -----------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from controlplane.events import events_after
 from controlplane.exceptions import InvalidInput
-from runs import services
+from runs import datasets, services, specs
 from runs.models import Dataset, Run
 
 # The watcher reads the database this often: slow enough to cost nothing, fast enough to feel live.
@@ -79,8 +79,8 @@ class Command(BaseCommand):
             if chosen is None:
                 raise CommandError(f"--dataset: {user} has no dataset {dataset}")
         elif dataset:
-            chosen = services.do_create_dataset(owner, Path(dataset).name, path=dataset, by_administrator=True)
-        run_spec = services.check_spec(overrides, recipe)
+            chosen = datasets.do_create_dataset(owner, Path(dataset).name, path=dataset, by_administrator=True)
+        run_spec = specs.resolve_spec(overrides, recipe)
         return services.do_create_run(owner, name or spec.stem, run_spec, chosen, recipe=recipe)
 
     def watch(self, run_id: int) -> None:

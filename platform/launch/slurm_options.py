@@ -1,9 +1,9 @@
 """The Slurm options of a run: the install's defaults (settings, from FATHOM_SLURM_*) with the
 run's own overrides, checked once, at submit, and stored resolved on the run.
 
-Plain Python (no Django), so settings can check the defaults with the same rules the API
-applies to a run's overrides. Every value ends up as an `#SBATCH` line of a script: the rules
-below are also what keeps anything but a Slurm name or number out of it.
+The defaults are checked by the same rules as a run's overrides, when Django starts
+(`install_defaults`, from launch/apps.py). Every value ends up as an `#SBATCH` line of a script:
+the rules below are also what keeps anything but a Slurm name or number out of it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
+
+from controlplane.env import ConfigurationError
+from training.field_error import FieldError
+
 # Slurm's partition, account and QoS names: letters, digits and _ . - (what sacctmgr accepts).
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
@@ -23,11 +28,8 @@ TIME_FORMATS = "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
 MAX_GPUS_PER_NODE = 64  # more than any node has; a typo (640) is refused, not queued forever
 
 
-class SlurmOptionError(ValueError):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+class SlurmOptionError(FieldError):
+    """A Slurm option that is not allowed; `field` is its name under the run's `slurm`."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -90,3 +92,14 @@ def check_signal_lead(options: SlurmOptions, lead_seconds: int) -> None:
             f"must be longer than the {lead_seconds} s ahead of it at which the job is told to checkpoint and "
             f"stop (FATHOM_SLURM_SIGNAL_LEAD); got {options.time_limit!r} ({limit} s)",
         )
+
+
+def install_defaults() -> SlurmOptions:
+    """The install's defaults (settings.SLURM_DEFAULTS, as FATHOM_SLURM_* set them), checked;
+    raises ConfigurationError naming the variable that is wrong and what it accepts."""
+    try:
+        options = check(settings.SLURM_DEFAULTS)
+        check_signal_lead(options, settings.SLURM_SIGNAL_LEAD_SECONDS)
+    except SlurmOptionError as exc:
+        raise ConfigurationError(f"{settings.SLURM_VARIABLES[exc.field]} {exc.message}") from None
+    return options

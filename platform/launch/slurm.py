@@ -12,7 +12,7 @@ CUDA_VISIBLE_DEVICES Slurm sets. The job carries the run's name and launch numbe
 Ahead of the time limit (`--signal`), the script asks the ranks to checkpoint and stop (the run
 folder's stop request) and, once they have, requeues its job if the run is unfinished.
 
-Nothing here records events or changes a run's status: `runs.executors` and `runs.tasks` do.
+Nothing here records events or changes a run's status: `launch.executors` and `runs.tasks` do.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 from django.conf import settings
 
 from hosts.capacity import need_of
-from runs import launcher
+from launch import run_agents
+from launch.slurm_options import SlurmOptions
 from runs.models import Run
-from runs.slurm_options import SlurmOptions
 
 # The job id a run holds between the claim of its launch and sbatch's answer.
 SUBMITTING = "submitting"
@@ -112,13 +112,13 @@ def _shell(args: Iterable[str], expanded: frozenset[str] = frozenset()) -> str:
     return " ".join(f'"{a}"' if a in expanded else shlex.quote(a) for a in args)
 
 
-def agent_script(run: Run, launch: launcher.Launch) -> str:
+def agent_script(run: Run, launch: run_agents.Launch) -> str:
     """What srun starts on each node: that node's agent with its node's token, under its lock. A
     new launch's agent waits for the lock of a previous launch's agent still stopping (`-w`), as
     on hosts. The script holds every node's token: the job's nodes share this folder anyway."""
     run_dir = run.run_dir
     node, rdzv, token = "$SLURM_NODEID", "$FATHOM_RDZV", "${FATHOM_NODE_TOKENS[$SLURM_NODEID]}"
-    args = launcher.agent_arguments(run, run_dir.path, node, rdzv, token)
+    args = run_agents.agent_arguments(run, run_dir.path, node, rdzv, token)
     if run.node_count > 1:
         args += ["--host-store", "no"]  # the batch script runs the store
     # Slurm's SIGTERM (requeue, preemption, time limit) ends the job, not the run; Fathom's
@@ -224,7 +224,7 @@ exit "$status"
     return "\n".join(lines) + body
 
 
-def write_scripts(run: Run, options: SlurmOptions, launch: launcher.Launch) -> Path:
+def write_scripts(run: Run, options: SlurmOptions, launch: run_agents.Launch) -> Path:
     """Writes the batch and agent scripts into the run's folder (readable by the owner only:
     they hold the node tokens); returns the batch script."""
     run_dir = run.run_dir
