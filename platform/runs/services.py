@@ -226,11 +226,13 @@ _STATUS_BY_KIND = {
     "failed": Run.Status.FAILED,
     "cancelled": Run.Status.CANCELLED,
 }
+# Which statuses an agent's event may move a run from. A queued run has no agent of its own until
+# one reports `agent_started` (a Slurm job that began before squeue said so, in the same batch).
 _MOVES_FROM = {
     Run.Status.STARTING: [Run.Status.QUEUED],
-    Run.Status.RUNNING: [Run.Status.QUEUED, Run.Status.STARTING, Run.Status.RESTARTING],
-    Run.Status.RESTARTING: [Run.Status.QUEUED, Run.Status.STARTING, Run.Status.RUNNING],
-    **{final: list(Run.ACTIVE) for final in Run.FINISHED},
+    Run.Status.RUNNING: [Run.Status.STARTING, Run.Status.RESTARTING],
+    Run.Status.RESTARTING: [Run.Status.STARTING, Run.Status.RUNNING],
+    **{final: [Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING] for final in Run.FINISHED},
 }
 
 
@@ -390,12 +392,12 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
             )
             changes["last_seq"] = first + len(stored) - 1
             observability.count_ingested(len(stored))  # counted once the batch commits
-            status = _changes_from_events(run, stored, changes)
+            status = _changes_from_events(run, stored, row["status"], changes)
         if status == Run.Status.FAILED and row["cancel_requested"]:
             # Each agent is stopped by a signal of its own: one that is not stopped yet when
             # another closes the rendezvous reports a failed rendezvous. The run was cancelled.
             status = Run.Status.CANCELLED
-        moved = status is not None and row["status"] in _MOVES_FROM[status]
+        moved = status is not None
         if moved:
             now = timezone.now()
             changes["status"] = status
@@ -429,11 +431,19 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
     return max([held_up_to, *(e["seq"] for e in unique)])
 
 
-def _changes_from_events(run: Run, events: list[RunEvent], changes: dict[str, Any]) -> Run.Status | None:
+def _changes_from_events(
+    run: Run, events: list[RunEvent], status_now: str, changes: dict[str, Any]
+) -> Run.Status | None:
     """Adds to `changes` (columns of the run's row) what an agent's events say; records the
-    checkpoints they report. Returns the status the last status-moving event asks for, if any."""
+    checkpoints they report. Returns the status they move the run to from `status_now`, if any.
+
+    The events move it one after the other, each only where `_MOVES_FROM` allows: a queued run
+    leaves the queue only by an agent's `agent_started`, so what the agents of an ended launch
+    still report (the `cancelled` of the nodes a lost host left, stopped as their run was queued
+    again) does not end the run that waits to resume."""
     changes["last_report_at"] = timezone.now()
     status: Run.Status | None = None
+    current = status_now
     restarts = 0
     for event in events:
         data = event.data
@@ -452,9 +462,11 @@ def _changes_from_events(run: Run, events: list[RunEvent], changes: dict[str, An
             )
         elif event.kind == "restarting":
             restarts += 1
-        elif event.kind == "failed" or event.kind == "succeeded" or event.kind == "cancelled":
-            changes["status_reason"] = data.get("reason", "")
-        status = _STATUS_BY_KIND.get(event.kind, status)
+        asked = _STATUS_BY_KIND.get(event.kind)
+        if asked is not None and current in _MOVES_FROM[asked]:
+            status = current = asked
+            if asked in Run.FINISHED:
+                changes["status_reason"] = data.get("reason", "")
     if restarts:
         changes["restarts"] = F("restarts") + restarts
     return status

@@ -23,6 +23,8 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlplane.web import web_command
+from hostworker.config import HostConfig
+from hostworker.heartbeat import secret_file
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -245,6 +247,11 @@ class HostWorker:
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         return self.process
+
+    def holds_its_secret(self) -> bool:
+        """Whether the worker kept the secret its join was answered with: one stopped before
+        then is refused when it starts again (the join token no longer speaks for its name)."""
+        return secret_file(HostConfig.from_env(**self.env)).exists()
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -112,6 +112,7 @@ def running_cluster(
             timeout=30,
         )
         wait_until(lambda: Host.objects.filter(status="ready").count() == 2, 120, "both hosts to join")
+        wait_until(lambda: all(host.holds_its_secret() for host in hosts), 30, "both hosts to keep their secrets")
         yield Cluster(url, network, hosts, client, broker)
     finally:
         for stopper in reversed(stoppers):

@@ -140,3 +140,19 @@ def test_an_agent_that_fails_without_a_cancel_fails_the_run(client, run):
     failed = {"seq": 1, "kind": "failed", "time": 1.0e9, "data": {"reason": "rank 0 exited with 1"}}
     ingest(client, run, {"source": "node-0", "events": [failed]})
     assert Run.objects.get(pk=run.pk).status == "failed"
+
+
+def test_a_run_queued_again_is_not_ended_by_what_its_stopped_agents_still_report(client, run):
+    # A host loss left too few nodes: the run was queued to resume, and the agents left were
+    # stopped. Their last words (metrics, `cancelled`) are kept but move nothing; the next
+    # launch's agent moves the run on.
+    Run.objects.filter(pk=run.pk).update(status=Run.Status.QUEUED, status_reason="")
+    cancelled = {"seq": 3, "kind": "cancelled", "time": 1.0e9 + 3, "data": {"step": 2}}
+    assert ingest(client, run, {"source": "node-0", "events": [*metrics([1, 2]), cancelled]}).status_code == 200
+    run.refresh_from_db()
+    assert (run.status, run.step) == ("queued", 2)
+    assert list(run.events.filter(source="node-0").values_list("kind", flat=True)) == ["metrics", "metrics", "cancelled"]
+    started = {"seq": 4, "kind": "agent_started", "time": 1.0e9 + 4, "data": {"node": 0}}
+    succeeded = {"seq": 6, "kind": "succeeded", "time": 1.0e9 + 6, "data": {"step": 4}}
+    ingest(client, run, {"source": "node-0", "events": [started, *metrics([5]), succeeded]})
+    assert Run.objects.get(pk=run.pk).status == "succeeded"  # a job that ran whole before squeue said so

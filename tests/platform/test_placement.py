@@ -279,6 +279,9 @@ def test_a_lost_host_is_a_lost_node_the_run_goes_on_without_or_resumes_from_when
     assert (run.status, run.resume) == ("queued", True)
     # b is lost and a has one slot: it waits, saying so.
     assert run.status_reason == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 1 free"
+    # The agent stopped on a reports its cancel: the run it belonged to still waits to resume.
+    services.do_ingest_events(run, "node-0", [{"seq": 1, "kind": "cancelled", "data": {"step": 0}}])
+    assert Run.objects.get(pk=rigid).status == "queued"
 
 
 def test_an_ended_runs_devices_go_to_new_work_only_once_its_hosts_no_longer_run_its_agents(

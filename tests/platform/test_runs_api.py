@@ -130,8 +130,10 @@ def test_clone_merges_edits_and_validates_them(alice_api):
 
 
 def token_for(run_id: int, node: int = 0) -> str:
-    """Node `node`'s token in the run's first launch, as `run_agents.prepare` makes it current."""
+    """Node `node`'s token in the run's first launch, as `run_agents.prepare` makes it current
+    (for a run the launch claimed: a queued run's agents are not started yet)."""
     Run.objects.filter(pk=run_id).update(token_launch=1)
+    Run.objects.filter(pk=run_id, status=Run.Status.QUEUED).update(status=Run.Status.STARTING)
     return run_agents.node_token(run_id, 1, node)
 
 
