@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -292,6 +293,38 @@ class DataConfig:
 MAX_VALIDATION_FRACTION = 0.5
 
 
+DEVICES = ("", "gpu", "cpu", "any")
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+@dataclass(kw_only=True)
+class ResourcesConfig:
+    """What the run asks of the cluster beyond its device count (the scheduler reads it; the
+    ranks do not). `device`: "gpu", "cpu" or "any" (GPU hosts first); empty: GPUs where the
+    cluster has GPU hosts, else CPU slots. `labels`: a selector of host labels,
+    `zone=a,gpu=h200`: every one must match a host's for the run to be placed there."""
+
+    device: str = ""
+    labels: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.device in DEVICES, "resources.device", f"must be gpu, cpu or any (empty: gpu where the cluster has GPUs); got {self.device!r}")
+        self.selector()
+
+    def selector(self) -> dict[str, str]:
+        """The label selector as {key: value}; a malformed one is a SpecError naming `resources.labels`."""
+        wanted: dict[str, str] = {}
+        for term in filter(None, (t.strip() for t in self.labels.split(","))):
+            key, equals, value = term.partition("=")
+            _require(
+                bool(equals) and bool(LABEL.fullmatch(key.strip())) and bool(LABEL.fullmatch(value.strip())),
+                "resources.labels",
+                f"must be key=value terms separated by commas (letters, digits, '_', '.', '-'); got {term!r}",
+            )
+            wanted[key.strip()] = value.strip()
+        return wanted
+
+
 @dataclass(kw_only=True)
 class FaultSpec:
     """A failure injected on purpose, for tests and demos."""
@@ -315,6 +348,7 @@ class RunSpec:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     faults: list[FaultSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -443,6 +477,7 @@ class RunSpec:
             "train": TrainConfig,
             "data": DataConfig,
             "nodes": NodesConfig,
+            "resources": ResourcesConfig,
         }
         unknown = set(data) - set(sections) - {"faults"}
         if unknown:

@@ -240,6 +240,11 @@ HOST_LOST_AFTER_SECONDS = env_float("FATHOM_HOST_LOST_AFTER", 15.0)
 # How often hosts are checked for silence and queued runs offered the free devices.
 SCHEDULE_INTERVAL_SECONDS = env_float("FATHOM_SCHEDULE_INTERVAL", 2.0)
 CELERY_BEAT_SCHEDULE["watch-hosts"] = {"task": "hosts.tasks.watch_hosts", "schedule": SCHEDULE_INTERVAL_SECONDS}
+# The highest priority a user without a quota row of their own may submit (staff: any).
+DEFAULT_PRIORITY_CEILING = env_int("FATHOM_DEFAULT_PRIORITY_CEILING", 0)
+# Fair share (hosts/quotas.py): a user's or project's past use of the cluster counts half as much
+# after each half-life.
+FAIR_SHARE_HALF_LIFE_HOURS = env_float("FATHOM_FAIR_SHARE_HALF_LIFE_HOURS", 24.0)
 # Where the rendezvous store of a run on several hosts listens: on the control plane's worker
 # machine (it starts the store), at an address every host reaches, so that losing any host of the
 # run leaves its other agents a store to meet at again. By default PUBLIC_URL's host, which is

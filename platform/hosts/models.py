@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.db import models
 
 from serving.vllm import DeviceInfo
@@ -98,3 +99,43 @@ class DeviceClaim(models.Model):
     def __str__(self) -> str:
         holder = f"run {self.run_id} node" if self.run_id else f"deployment {self.deployment_id} replica"
         return f"{self.host.name}:{self.device} → {holder} {self.node}"
+
+
+class Quota(models.Model):
+    """What one user, or one project, may hold and queue on the cluster; staff set it (the admin,
+    `/api/quotas/`). An empty limit is no limit; a user or project without a row has none, and
+    a user's priority ceiling is then `settings.DEFAULT_PRIORITY_CEILING`. A run in a project
+    counts against both its owner's quota and the project's (`hosts.quotas`)."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="quota"
+    )
+    project = models.OneToOneField(
+        "runs.Project", null=True, blank=True, on_delete=models.CASCADE, related_name="quota"
+    )
+    gpus = models.PositiveIntegerField(null=True, blank=True, help_text="GPUs its runs may hold at once; empty: no limit.")
+    cpu_slots = models.PositiveIntegerField(
+        null=True, blank=True, help_text="CPU slots its runs may hold at once; empty: no limit."
+    )
+    queued_runs = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Runs it may have waiting in the queue; a submit beyond is refused. Empty: no limit."
+    )
+    priority_ceiling = models.IntegerField(
+        null=True, blank=True, help_text="A user's highest priority at submit; empty: the install's default."
+    )
+    preemptible = models.BooleanField(
+        default=True, help_text="A project's runs may be stopped (checkpointed, queued again) for higher-priority runs."
+    )
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(user__isnull=False, project__isnull=True)
+                | models.Q(user__isnull=True, project__isnull=False),
+                name="quota_of_a_user_or_a_project",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"quota of user {self.user_id}" if self.user_id else f"quota of project {self.project_id}"

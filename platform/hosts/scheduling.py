@@ -2,11 +2,15 @@
 
 One pass (`schedule`) runs in one transaction. It locks every host row first (`select_for_update`
 on PostgreSQL; on SQLite the transaction is IMMEDIATE, so it holds the database's write lock from
-its start), so two schedulers take turns. Runs are offered the free devices in queue order,
-higher `priority` first, then the older run; the first run that does not fit stops the pass (the
-runs behind it wait for it, so a large run is not starved by small ones). A placement is
-`DeviceClaim` rows, unique per (host, device): whatever happens, no device is given twice. The
-claim and the run's move to `starting` commit together; the caller then sends the start tasks.
+its start), so two schedulers take turns. Runs are offered the free devices in fair-share order
+(`hosts.quotas`: higher `priority` first, then the share with the least recent use); a run over
+its owner's or project's quota waits without blocking anyone. The first run that does not fit is
+the head of the queue: it holds in reserve the devices it will start on, and the runs behind it
+start only on what is left (backfill), so none delays it and a large run is not starved by
+small ones. A run goes only to hosts of the device kind it asks for (`resources.device`) whose
+labels match its selector (`resources.labels`). A placement is `DeviceClaim` rows, unique per
+(host, device): whatever happens, no device is given twice. The claim and the run's move to
+`starting` commit together; the caller then sends the start tasks.
 """
 
 from __future__ import annotations
@@ -14,17 +18,20 @@ from __future__ import annotations
 import random
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.utils import timezone
 
 from hosts.capacity import KINDS, Need, devices_word, need_of, release
 from hosts.models import DeviceClaim, Host
+from hosts.quotas import Policy
 from runs.models import Run, RunEvent
+from training.config import ResourcesConfig, SpecError
 from training.ports import listen_port
 
 # How a host worker names a deployment's replica supervisor in what it reports it runs.
@@ -79,15 +86,17 @@ def placement_of(run: Run) -> list[NodePlacement]:
     ]
 
 
-def place(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]]) -> list[tuple[Host, list[int]]] | None:
+def place(
+    need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]], kinds: Iterable[str] = KINDS
+) -> list[tuple[Host, list[int]]] | None:
     """A host and `need.per_node` free devices for each of the run's nodes, all of one kind, or None.
 
     `hosts`: the ready hosts by kind. Nodes go to distinct hosts while there are hosts to spread
     over (a lost host then costs the run one node), and only then share one. Among those that
     hold a node, the host with the fewest free devices is taken (best fit), so large holes stay
-    for large runs. GPU hosts are tried before CPU hosts."""
+    for large runs. The `kinds` are tried in order (GPU hosts before CPU hosts)."""
     # (`id`, a plain attribute, not `pk`, a property: this runs for every host for every run.)
-    for kind in KINDS:
+    for kind in kinds:
         left = {h.id: free[h.id] for h in hosts.get(kind, []) if len(free[h.id]) >= need.per_node}
         if sum(len(devices) // need.per_node for devices in left.values()) < need.nodes:
             continue
@@ -106,8 +115,8 @@ def place(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]]) 
     return None
 
 
-def waiting_reason(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]]) -> str:
-    for kind in KINDS:
+def waiting_reason(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]], kinds: Iterable[str] = KINDS) -> str:
+    for kind in kinds:
         of_kind = hosts.get(kind, [])
         if not of_kind:
             continue
@@ -120,12 +129,14 @@ def waiting_reason(need: Need, hosts: dict[str, list[Host]], free: dict[int, lis
             room = sum(len(free[h.pk]) // need.per_node for h in of_kind)
             reason += f" but room for {room} node{'s' if room != 1 else ''} of {need.per_node} on one host"
         return reason
-    return "waiting: no ready host"
+    return f"waiting: no ready {' or '.join(k.upper() for k in kinds)} host"
 
 
-# The reason of every run behind the first that does not fit: one text, so a queue of thousands
-# is one UPDATE when it forms and none while it stays (the run holding it names its own reason).
-BEHIND = "waiting: behind an earlier run in the queue that does not fit yet"
+def behind(head_id: int) -> str:
+    """The reason of every run that does not fit behind the head of the queue: one text, so a
+    queue of thousands is one UPDATE when it forms and none while it stays (the head, and a run
+    over its quota, name their own reasons)."""
+    return f"waiting: behind run {head_id} at the head of the queue; the devices it leaves free do not fit this run"
 
 
 class RunsSide(Protocol):
@@ -206,9 +217,120 @@ class Pass:
         runs.write_events(self.events)
 
 
+@dataclass(frozen=True)
+class Wants:
+    """Where a run may go: the device kinds it asks for (`resources.device`), in the order they
+    are tried, and the host labels it selects (`resources.labels`)."""
+
+    kinds: tuple[str, ...]
+    selector: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, spec: dict[str, Any], cluster_has_gpus: bool) -> Wants:
+        resources = spec.get("resources") or {}
+        device = resources.get("device") or ("gpu" if cluster_has_gpus else "cpu")
+        kinds = KINDS if device == "any" else (device,)
+        try:
+            selector = ResourcesConfig(labels=resources.get("labels", "")).selector()
+        except SpecError:
+            selector = {}  # checked at submit: a stored spec's selector is well formed
+        return cls(kinds, tuple(sorted(selector.items())))
+
+    def describe(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.selector)
+
+
+@dataclass
+class Reservation:
+    """The devices the head of the queue will start on, held back from every run behind it:
+    the free ones now, and those of the running runs whose end it waits for."""
+
+    run_id: int
+    devices: set[tuple[int, int]]  # (host id, device)
+    until: list[int]  # the runs whose end frees the rest
+    expected_at: datetime | None  # when the last of them is expected to end; None: unknown
+
+    def as_json(self, names: dict[int, str]) -> dict[str, Any]:
+        return {
+            "devices": sorted(f"{names[h]}:{d}" for h, d in self.devices),
+            "until": self.until,
+            "expected_at": self.expected_at.isoformat() if self.expected_at else None,
+        }
+
+    def describe(self, names: dict[int, str]) -> str:
+        shown = ", ".join(self.as_json(names)["devices"])
+        if not self.until:
+            return f"holds {shown} in reserve"
+        when = f", expected by {self.expected_at:%H:%M:%S} UTC" if self.expected_at else ""
+        return f"holds {shown} in reserve until run{'s' if len(self.until) > 1 else ''} {', '.join(map(str, self.until))} end{'' if len(self.until) > 1 else 's'}{when}"
+
+
+def expected_end(started_at: datetime | None, step: int, steps: int, now: datetime) -> datetime | None:
+    """When a running run should end at the pace it has kept; None before its first step."""
+    if started_at is None or step <= 0 or steps <= 0:
+        return None
+    per_step = (now - started_at).total_seconds() / step
+    return now + timedelta(seconds=per_step * max(steps - step, 0))
+
+
+def reserve(
+    run_id: int, need: Need, kinds: Iterable[str], hosts: dict[str, list[Host]], free: dict[int, list[int]],
+    ending: list[tuple[datetime | None, int, list[tuple[int, int]]]],
+) -> Reservation | None:  # fmt: skip
+    """The head run's reservation: the fewest of the `ending` runs (by expected end, unknown
+    last) whose devices, with the free ones, hold its gang, and the gang placed on them. None
+    when even all of them ending would not make room (it waits for hosts, and holds nothing)."""
+    kinds = tuple(kinds)
+
+    def gang_after(count: int) -> list[tuple[Host, list[int]]] | None:
+        freed: dict[int, list[int]] = defaultdict(list)
+        for _, _, devices in ending[:count]:
+            for host_id, device in devices:
+                freed[host_id].append(device)
+        return place(need, hosts, {h: sorted(free[h] + freed.get(h, [])) for h in free}, kinds)
+
+    if gang_after(len(ending)) is None:
+        return None
+    low, high = 0, len(ending)  # placing only gets easier as more runs end: the fewest by bisection
+    while low < high:
+        middle = (low + high) // 2
+        if gang_after(middle) is None:
+            low = middle + 1
+        else:
+            high = middle
+    gang = gang_after(low)
+    assert gang is not None
+    waited = ending[:low]
+    ends = [end for end, _, _ in waited]
+    expected_at = None if None in ends else max(ends, default=None)  # type: ignore[type-var]
+    devices = {(host.id, device) for host, chosen in gang for device in chosen}
+    return Reservation(run_id, devices, [run for _, run, _ in waited], expected_at)
+
+
+def _ending_runs(this: Pass, now: datetime) -> list[tuple[datetime | None, int, list[tuple[int, int]]]]:
+    """The runs holding devices, by when they should end (unknown last): the claims stored and
+    those this pass made."""
+    held: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for run_id, host_id, device in DeviceClaim.objects.filter(run__isnull=False).values_list("run_id", "host_id", "device"):
+        held[run_id].append((host_id, device))
+    for claim in this.claims:
+        held[claim.run_id].append((claim.host_id, claim.device))
+    progress = Run.objects.filter(pk__in=list(held)).values_list("pk", "started_at", "step", "spec__train__steps")
+    ends = {pk: expected_end(started, step or 0, int(steps or 0), now) for pk, started, step, steps in progress}
+    ending = [(ends.get(run_id), run_id, devices) for run_id, devices in held.items()]
+    return sorted(ending, key=lambda e: (e[0] is None, e[0] or now, e[1]))
+
+
 def schedule(runs: RunsSide) -> list[int]:
     """One placement pass; returns the runs placed (moved to `starting`), whose start tasks the
-    caller sends."""
+    caller sends.
+
+    Runs are offered room in fair-share order (`hosts.quotas`): higher priority first, then the
+    share (project, else owner) with the least recent use. A run whose owner or project is at its
+    quota waits, naming it, and holds nothing. The first run that does not fit is the head of
+    the queue: it reserves the devices it will start on (the free ones, and those of the running
+    runs whose end it waits for, soonest first), and the runs behind it may start only on what
+    is left (backfill): none of them can delay the head's start."""
     placed: list[int] = []
     with transaction.atomic():
         hosts = list(Host.objects.select_for_update().order_by("pk"))
@@ -216,32 +338,77 @@ def schedule(runs: RunsSide) -> list[int]:
             return placed
         # Devices of runs and deployments that ended go back once nothing of them runs.
         release_ended_claims(hosts)
+        now = timezone.now()
         this = Pass(hosts)
-        queue = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).order_by(
-            "-priority", "created_at", "pk"
-        )
-        for run in queue.iterator(chunk_size=200):
-            need = need_of(run.spec)
+        policy = Policy(hosts, now)
+        names = {h.pk: h.name for h in hosts}
+        has_gpus = any(h.device_kind == "gpu" for h in hosts)
+        queue = list(Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False))
+        candidates: dict[tuple[tuple[str, str], ...], dict[str, list[Host]]] = {(): this.ready}
+        failed: set[tuple[Need, tuple[tuple[str, str], ...], tuple[str, ...]]] = set()  # free only shrinks in a pass
+        head: Run | None = None
+        reservation: Reservation | None = None
+        own_reasons: dict[int, str] = {}  # the head's, and those of runs that wait for a reason of their own
+        for run in policy.fair_order(queue):
             if run.resume and runs.still_stopping(run):
-                reason = "waiting: its previous agents are still stopping"
-            else:
-                gang = place(need, this.ready, this.free)
-                if gang is not None:
-                    if this.claim(run, gang, runs):
-                        placed.append(run.pk)
-                    continue
-                reason = waiting_reason(need, this.ready, this.free)
-            if run.status_reason != reason:
-                runs.note_waiting(run, reason)
-            # The runs behind it wait for it (no small run starves a large one).
-            queue.filter(
-                Q(priority__lt=run.priority)
-                | Q(priority=run.priority, created_at__gt=run.created_at)
-                | Q(priority=run.priority, created_at=run.created_at, pk__gt=run.pk)
-            ).exclude(status_reason=BEHIND).update(status_reason=BEHIND)
-            break
+                own_reasons[run.pk] = "waiting: its previous agents are still stopping"
+                continue
+            need, wants = need_of(run.spec), Wants.of(run.spec, has_gpus)
+            kinds, over_quota = policy.kinds_allowed(run, need.total, wants.kinds)
+            if not kinds:
+                own_reasons[run.pk] = over_quota
+                continue
+            if wants.selector not in candidates:
+                candidates[wants.selector] = {
+                    kind: [h for h in of_kind if all(h.labels.get(k) == v for k, v in wants.selector)]
+                    for kind, of_kind in this.ready.items()
+                }  # fmt: skip
+            hosts_for = candidates[wants.selector]
+            shape = (need, wants.selector, tuple(kinds))
+            gang = None if shape in failed else place(need, hosts_for, this.free, kinds)
+            if gang is not None:
+                if this.claim(run, gang, runs):
+                    placed.append(run.pk)
+                    policy.took(run, gang[0][0].device_kind, need.total)
+                continue
+            failed.add(shape)
+            if head is not None:
+                continue  # behind the head: it waits for room the head leaves
+            head = run
+            reason = waiting_reason(need, hosts_for, this.free, kinds)
+            if wants.selector:
+                reason += f" on hosts labelled {wants.describe()}"
+            reservation = reserve(run.pk, need, kinds, hosts_for, this.free, _ending_runs(this, now))
+            if reservation is not None:
+                reason += f"; {reservation.describe(names)}"
+                for host_id, device in reservation.devices:
+                    if device in this.free[host_id]:
+                        this.free[host_id] = [d for d in this.free[host_id] if d != device]
+            own_reasons[run.pk] = reason
         this.write(runs)
+        _write_reasons(runs, queue, placed, own_reasons, head, reservation, names)
     return placed
+
+
+def _write_reasons(
+    runs: RunsSide, queue: list[Run], placed: list[int], own_reasons: dict[int, str], head: Run | None,
+    reservation: Reservation | None, names: dict[int, str],
+) -> None:  # fmt: skip
+    """Each waiting run's reason, written only where it changed: a run's own (with a `waiting`
+    event), and for the rest one shared text in one UPDATE; the head's reservation, and no other."""
+    by_pk = {run.pk: run for run in queue}
+    for pk, reason in own_reasons.items():
+        if by_pk[pk].status_reason != reason:
+            runs.note_waiting(by_pk[pk], reason)
+    waiting = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False)
+    if head is not None:
+        rest = waiting.exclude(pk__in=[*own_reasons, *placed]).exclude(status_reason=behind(head.pk))
+        rest.update(status_reason=behind(head.pk))
+    held = reservation.as_json(names) if reservation is not None else {}
+    if head is not None and head.reservation != held:
+        Run.objects.filter(pk=head.pk).update(reservation=held)
+    others = Run.objects.exclude(reservation={})
+    (others.exclude(pk=head.pk) if head is not None else others).update(reservation={})
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,10 @@ class Run(models.Model):
     # launch reuses it.
     priority = models.IntegerField(default=0)
     rendezvous = models.CharField(max_length=300, blank=True)
+    # The devices a queued run at the head of the queue holds in reserve (hosts.scheduling's
+    # backfill gives them to no other run): {"devices": ["host:index", ...], "until": [run ids],
+    # "expected_at": ISO time or null}; empty for every other run.
+    reservation = models.JSONField(default=dict, blank=True)
     # Organising (issue 18): the recipe the spec started from (empty: a run from before it was
     # kept), and the owner's free-text note. Tags are RunTag rows, so a filter is a join.
     recipe = models.CharField(max_length=32, blank=True, db_index=True)

@@ -150,12 +150,17 @@ class RunSerializer(ModelSerializer):
             "id", "name", "recipe", "spec", "dataset", "tokenizer_run", "validation_dataset", "pretrained", "priority", "status", "status_reason", "layout", "step",
             "total_steps", "last_loss", "tokens_per_s", "restarts", "last_seq", "cancel_requested",
             "tags", "note", "project", "owner", "created_at", "started_at", "finished_at", "slurm", "slurm_job_id",
+            "reservation",
         ]
         read_only_fields = [
-            "status", "status_reason", "step", "last_loss", "tokens_per_s", "restarts", "last_seq",
+            "status", "status_reason", "reservation", "step", "last_loss", "tokens_per_s", "restarts", "last_seq",
             "cancel_requested", "note", "created_at", "started_at", "finished_at", "slurm_job_id",
         ]
-        extra_kwargs = {"name": {"required": False}}
+        extra_kwargs = {
+            "name": {"required": False},
+            "priority": {"help_text": "Higher goes first in the queue; at most your ceiling (staff set it, /api/quota/)."},
+            "reservation": {"help_text": "At the head of the queue: the devices held for it, the runs whose end it waits for, and when."},
+        }
 
     def get_fields(self) -> dict[str, Any]:
         fields = super().get_fields()

@@ -23,7 +23,7 @@ from controlplane import observability
 from controlplane.events import publish_on_commit, reserve_seqs
 from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
-from hosts import capacity
+from hosts import capacity, quotas
 from hosts.models import Host
 from launch import executors
 from launch.slurm_options import SlurmOptions
@@ -84,6 +84,7 @@ def do_create_run(
     The spec is stored resolved, data paths included: from here to the ranks nobody parses or
     fills it in again (the launcher writes it as stored)."""
     check_run_data(spec, dataset, tokenizer_run, validation_dataset, pretrained)
+    quotas.check_submit(owner, project, priority)
     check_fits_cluster(spec)
     check_run_storage()
     resolved = resolve_data(spec, dataset, tokenizer_run, validation_dataset, pretrained)

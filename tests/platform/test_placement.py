@@ -23,7 +23,7 @@ from deployments.models import Deployment, Replica
 from deployments.options import host_refusal
 from deployments.tasks import reconcile_deployments
 from hosts import services as host_services
-from hosts.models import DeviceClaim, Host
+from hosts.models import DeviceClaim, Host, Quota
 from hosts.scheduling import orphans_on, place_deployment
 from hosts.tasks import schedule_and_start, watch_hosts
 from launch import run_agents
@@ -176,26 +176,34 @@ def test_without_hosts_any_run_is_accepted_as_before(alice_api):
 
 
 def test_runs_wait_in_priority_then_fifo_order_with_a_reason_and_take_the_devices_an_ended_run_frees(
-    alice_api, two_hosts
+    alice, alice_api, two_hosts
 ):
     first = submit(alice_api, "first", DP2_TWO_NODES).json()["id"]
     second = submit(alice_api, "second", DP2_TWO_NODES).json()["id"]
     third = submit(alice_api, "third", {"train": {"steps": 4, "warmup_steps": 2}}).json()["id"]
     assert schedule_and_start() == [first]
     queued = {r["id"]: r for r in alice_api.get("/api/runs/?status=queued").json()["results"]}
-    assert queued[second]["status_reason"] == "waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 0 free"
-    # The one-slot run fits no less than the head of the queue, but does not jump it.
-    assert queued[third]["status_reason"] == "waiting: behind an earlier run in the queue that does not fit yet"
+    assert queued[second]["status_reason"] == (
+        f"waiting: needs 2 CPU slots (2 nodes × 1, each node on one host), 0 free; holds a:0, b:0 in reserve until run {first} ends"
+    )
+    assert queued[second]["reservation"] == {"devices": ["a:0", "b:0"], "until": [first], "expected_at": None}
+    # The one-slot run would fit no better than the head of the queue, and does not jump it.
+    assert queued[third]["status_reason"] == (
+        f"waiting: behind run {second} at the head of the queue; the devices it leaves free do not fit this run"
+    )
+    assert queued[third]["reservation"] == {}
     assert Run.objects.get(pk=second).events.filter(kind="waiting").count() == 1
     assert schedule_and_start() == []
     assert Run.objects.get(pk=second).events.filter(kind="waiting").count() == 1  # said once
 
+    Quota.objects.create(user=alice, priority_ceiling=5)  # staff let her submit up to 5
     urgent = submit(alice_api, "urgent", {"train": {"steps": 4, "warmup_steps": 2}}, priority=5).json()["id"]
     # The first run ends: its devices go back at once, and the queue moves in order.
     services.do_set_status(Run.objects.get(pk=first), Run.Status.FAILED, "node lost")
     assert not DeviceClaim.objects.filter(run_id=first).exists()
     assert schedule_and_start() == [urgent]  # priority first; the second run no longer fits beside it
     assert Run.objects.get(pk=second).status_reason.startswith("waiting: needs 2 CPU slots")
+    assert Run.objects.get(pk=second).reservation["until"] == [urgent]
     services.do_set_status(Run.objects.get(pk=urgent), Run.Status.SUCCEEDED)
     assert schedule_and_start() == [second]
     assert Run.objects.get(pk=third).status == "queued"
