@@ -6,7 +6,7 @@ from django.http import HttpRequest
 
 from controlplane.exceptions import WrongState
 from hosts import services
-from hosts.models import DeviceClaim, Host
+from hosts.models import DeviceClaim, Host, Quota
 
 
 @admin.register(Host)
@@ -35,3 +35,8 @@ class HostAdmin(admin.ModelAdmin):
 @admin.register(DeviceClaim)
 class DeviceClaimAdmin(admin.ModelAdmin):
     list_display = ["host", "device", "run", "node", "claimed_at"]
+
+
+@admin.register(Quota)
+class QuotaAdmin(admin.ModelAdmin):
+    list_display = ["__str__", "gpus", "cpu_slots", "queued_runs", "priority_ceiling", "preemptible"]

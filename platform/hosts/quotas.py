@@ -190,3 +190,31 @@ def fair_share_table(now: datetime) -> list[dict[str, Any]]:
     return [{"share": f"{kind} {pk}", "kind": kind, "id": pk, "recent_slots": round(value, 3)}
             for (kind, pk), value in sorted(use.items(), key=lambda item: item[1])]  # fmt: skip
 
+
+
+def _usage(holder: Share, kind_of: dict[int, str]) -> dict[str, dict[str, int | None]]:
+    runs = Run.objects.filter(project_id=holder[1]) if holder[0] == "project" else Run.objects.filter(owner_id=holder[1])
+    held: Counter[str] = Counter()
+    for (host_id,) in DeviceClaim.objects.filter(run__in=runs).values_list("host_id"):
+        held[kind_of.get(host_id, "cpu")] += 1
+    quota = Quota.objects.filter(**{holder[0]: holder[1]}).first()
+    return {
+        "gpus": {"limit": quota.gpus if quota else None, "in_use": held["gpu"]},
+        "cpu_slots": {"limit": quota.cpu_slots if quota else None, "in_use": held["cpu"]},
+        "queued_runs": {"limit": quota.queued_runs if quota else None, "in_use": runs.filter(status=Run.Status.QUEUED).count()},
+    }
+
+
+def quota_of(user: Any, projects: Iterable[Project]) -> dict[str, Any]:
+    """What `user` may submit and hold, and holds now; and the same of those of `projects` that
+    have a quota (with whether their runs may be preempted)."""
+    kind_of = {h.pk: h.device_kind for h in Host.objects.all()}
+    limited = {q.project_id: q for q in Quota.objects.filter(project__in=list(projects))}
+    return {
+        "priority_ceiling": priority_ceiling(user),
+        "user": _usage(("user", user.pk), kind_of),
+        "projects": [
+            {"id": p.pk, "name": p.name, "preemptible": limited[p.pk].preemptible, **_usage(("project", p.pk), kind_of)}
+            for p in projects if p.pk in limited
+        ],  # fmt: skip
+    }

@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from hosts.capacity import KINDS, Need, devices_word, need_of, release
 from hosts.models import DeviceClaim, Host
-from hosts.quotas import Policy
+from hosts.quotas import Policy, share_of
 from runs.models import Run, RunEvent
 from training.config import ResourcesConfig, SpecError
 from training.ports import listen_port
@@ -479,3 +479,28 @@ def place_deployment(
             for i, device in enumerate(g.devices)
         )
     return groups
+
+
+def queue_order() -> list[dict[str, Any]]:
+    """The queued runs in the order the next pass offers them room (the order it takes when each
+    run fits: a placed run adds its slots to its share's score), with what orders them and why
+    each waits."""
+    hosts = list(Host.objects.all())
+    policy = Policy(hosts, timezone.now())
+    has_gpus = any(h.device_kind == "gpu" for h in hosts)
+    queue = list(Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).select_related("owner", "project"))
+    entries = []
+    for position, run in enumerate(policy.fair_order(queue), start=1):
+        need, wants = need_of(run.spec), Wants.of(run.spec, has_gpus)
+        share = share_of(run.owner_id, run.project_id)
+        needs = " or ".join(devices_word(kind, need.total) for kind in wants.kinds)
+        if need.nodes > 1:
+            needs += f" ({need.nodes} nodes × {need.per_node})"
+        if wants.selector:
+            needs += f" on hosts labelled {wants.describe()}"
+        policy.took(run, wants.kinds[0], need.total)  # as if it were placed: the pass's order when all fit
+        entries.append({
+            "position": position, "run": run, "share": f"project {run.project.name}" if run.project else f"user {run.owner.username}",
+            "share_recent_slots": round(policy.use.get(share, 0.0), 3), "needs": needs,
+        })  # fmt: skip
+    return entries

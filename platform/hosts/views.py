@@ -14,9 +14,16 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from hosts import services
-from hosts.models import Host
-from hosts.serializers import HeartbeatSerializer, HostSerializer
+from hosts import quotas, scheduling, services
+from hosts.models import Host, Quota
+from hosts.serializers import (
+    HeartbeatSerializer,
+    HostSerializer,
+    MyQuotaSerializer,
+    QueueEntrySerializer,
+    QuotaSerializer,
+)
+from runs import access
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +118,40 @@ class HeartbeatView(APIView):
             )
         services.do_stop_orphans(host)
         return Response({"status": host.status, "host_secret": secret})
+
+
+class QuotaViewSet(viewsets.ModelViewSet):
+    """Quotas of users and projects: staff set them (`hosts/quotas.py` says what each limit does)."""
+
+    serializer_class = QuotaSerializer
+    queryset = Quota.objects.select_related("user", "project")
+    permission_classes = [IsAdminUser]
+
+
+class MyQuotaView(APIView):
+    """What you may submit and hold on the cluster, and what your runs (and your projects' runs) hold now."""
+
+    @extend_schema(responses=MyQuotaSerializer)
+    def get(self, request: Request) -> Response:
+        return Response(MyQuotaSerializer(quotas.quota_of(request.user, access.projects_of(request.user))).data)
+
+
+class QueueView(APIView):
+    """The queue in the order the scheduler offers it room, why each run waits, and the head's
+    reservation. Every queued run is listed (its position is everyone's business); the names of
+    runs you may not see are left out."""
+
+    @extend_schema(responses=QueueEntrySerializer(many=True))
+    def get(self, request: Request) -> Response:
+        entries = scheduling.queue_order()
+        visible = set(access.visible_runs(request.user).filter(status="queued").values_list("pk", flat=True))
+        rows = [
+            {
+                "position": e["position"], "id": e["run"].pk, "name": e["run"].name if e["run"].pk in visible else None,
+                "owner": e["run"].owner.username, "project": e["run"].project_id, "priority": e["run"].priority,
+                "share": e["share"], "share_recent_slots": e["share_recent_slots"], "needs": e["needs"],
+                "status_reason": e["run"].status_reason, "reservation": e["run"].reservation, "created_at": e["run"].created_at,
+            }
+            for e in entries
+        ]  # fmt: skip
+        return Response(QueueEntrySerializer(rows, many=True).data)
