@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 import pytest
 from django.utils import timezone
 
-from hosts.models import DeviceClaim, Host, Quota
+from hosts.models import DeviceClaim, Host
 from hosts.scheduling import schedule
 from hosts.tasks import RUNS_SIDE
 from runs import services
