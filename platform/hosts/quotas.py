@@ -62,13 +62,14 @@ def check_submit(owner: Any, project: Project | None, priority: int) -> None:
         raise InvalidInput("priority", f"must be at most {ceiling}, your ceiling (staff set it); got {priority}")
     caps = Quota.objects.filter(Q(user=owner) | Q(project=project) if project is not None else Q(user=owner))
     for quota in caps.exclude(queued_runs__isnull=True):
+        cap = quota.queued_runs or 0
         waiting = Run.objects.filter(status=Run.Status.QUEUED)
         waiting = waiting.filter(owner=owner) if quota.user_id else waiting.filter(project=project)
         count = waiting.count()
-        if count >= quota.queued_runs:
-            whose = "your runs" if quota.user_id else f"project {project.name!r}'s runs" if project else "the project's"
+        if count >= cap:
+            whose = "your runs" if quota.user_id or project is None else f"the runs of project {project.name!r}"
             raise InvalidInput(
-                "quota", f"{count} of {quota.queued_runs} queued runs allowed for {whose} already wait; "
+                "quota", f"{count} of {cap} queued runs allowed for {whose} already wait; "
                 "cancel one or wait until one starts",
             )  # fmt: skip
 
@@ -176,6 +177,8 @@ def recent_use(now: datetime) -> dict[Share, float]:
     for owner_id, project_id, started, finished, spec in ran.values_list(
         "owner_id", "project_id", "started_at", "finished_at", "spec"
     ):
+        if started is None:
+            continue  # (filtered out above: for the type checker)
         slots = need_of(spec).total
         ended_ago = max((now - (finished or now)).total_seconds(), 0.0)
         began_ago = max((now - started).total_seconds(), ended_ago)

@@ -254,15 +254,17 @@ class Reservation:
         return {
             "devices": sorted(f"{names[h]}:{d}" for h, d in self.devices),
             "until": self.until,
-            "expected_at": self.expected_at.isoformat() if self.expected_at else None,
+            "expected_at": self.expected_at.replace(second=0, microsecond=0).isoformat() if self.expected_at else None,
         }
 
     def describe(self, names: dict[int, str]) -> str:
         shown = ", ".join(self.as_json(names)["devices"])
         if not self.until:
             return f"holds {shown} in reserve"
-        when = f", expected by {self.expected_at:%H:%M:%S} UTC" if self.expected_at else ""
-        return f"holds {shown} in reserve until run{'s' if len(self.until) > 1 else ''} {', '.join(map(str, self.until))} end{'' if len(self.until) > 1 else 's'}{when}"
+        # (Not when: the reason is written, with an event, only when it changes, and the expected
+        # time moves with every pass; `Run.reservation` has it, to the minute.)
+        runs = f"run{'s' if len(self.until) > 1 else ''} {', '.join(map(str, self.until))} end{'' if len(self.until) > 1 else 's'}"
+        return f"holds {shown} in reserve until {runs}"
 
 
 def expected_end(started_at: datetime | None, step: int, steps: int, now: datetime) -> datetime | None:
@@ -314,7 +316,8 @@ def _ending_runs(this: Pass, now: datetime) -> list[tuple[datetime | None, int, 
     for run_id, host_id, device in DeviceClaim.objects.filter(run__isnull=False).values_list("run_id", "host_id", "device"):
         held[run_id].append((host_id, device))
     for claim in this.claims:
-        held[claim.run_id].append((claim.host_id, claim.device))
+        if claim.run_id is not None:
+            held[claim.run_id].append((claim.host_id, claim.device))
     progress = Run.objects.filter(pk__in=list(held)).values_list("pk", "started_at", "step", "spec__train__steps")
     ends = {pk: expected_end(started, step or 0, int(steps or 0), now) for pk, started, step, steps in progress}
     ending = [(ends.get(run_id), run_id, devices) for run_id, devices in held.items()]

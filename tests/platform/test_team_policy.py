@@ -131,7 +131,7 @@ def test_the_head_reserves_and_smaller_runs_backfill_only_around_it(alice, alice
     reservation = Run.objects.get(pk=head).reservation
     assert reservation["until"] == [running]
     expected = datetime.fromisoformat(reservation["expected_at"])
-    assert abs((expected - (timezone.now() + timedelta(seconds=50))).total_seconds()) < 5  # 50 more steps at 1 s each
+    assert abs((expected - (timezone.now() + timedelta(seconds=50))).total_seconds()) < 65  # 50 more steps at 1 s each, to the minute
     reserved = set(reservation["devices"])
     assert len(reserved) == 4 and {d.split(":")[0] for d in reserved} == {"a", "b"}
     # The small runs took only what the head does not hold: the free GPU outside its reservation.
