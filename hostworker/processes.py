@@ -190,6 +190,17 @@ class Processes:
         log.info("stopped %s (pid %d, signal %d)", key, pid, sig)
         return True
 
+    def request_stop(self, folder: str, name: str, reason: str) -> bool:
+        """Writes `reason` to the stop request `name` of the run folder `folder` (relative to this
+        host's data folder), which the run's ranks look for; False when this host keeps no such folder."""
+        run_dir = inside(self.config.data_dir, folder, "folder")
+        if not run_dir.is_dir():
+            log.info("stop request for %s: no such run folder here", folder)
+            return False
+        write_atomically(inside(run_dir, name, "a file's name"), reason)
+        log.info("stop requested in %s: %s", folder, reason)
+        return True
+
     def running(self) -> list[dict[str, Any]]:
         """What runs now, for the heartbeat; forgets (and reaps) what exited."""
         for pid, child in list(self._children.items()):

@@ -26,3 +26,10 @@ def start_process(
 def stop_process(key: str) -> bool:
     """SIGTERM to the process group of `key`: an agent cancels its ranks, a supervisor its replicas."""
     return processes.stop(key)
+
+
+@app.task(name="hostworker.tasks.request_stop")
+def request_stop(folder: str, name: str, reason: str) -> bool:
+    """Asks the ranks of the run whose folder on this host is `folder` to checkpoint the step
+    they agree on and stop (a preemption): its stop request `name`, which they look for every step."""
+    return processes.request_stop(folder, name, reason)

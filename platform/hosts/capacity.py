@@ -87,8 +87,10 @@ def release(run_ids: list[int] | None = None) -> int:
     more: on a host that is lost, or whose last beat lists no agent of the run. A run's end is
     reported by its agents while they still run (their ranks exit, their last events and logs
     go out), so its devices stay claimed until their host's next beat says they are gone: no new
-    work is placed where an old agent or rank may still run. Returns how many were given back."""
-    ended = DeviceClaim.objects.filter(run__status__in=Run.FINISHED)
+    work is placed where an old agent or rank may still run. A queued run holds no devices: those
+    still claimed for one are what it held before it went back to the queue (a preemption, a
+    lost host), given back the same way. Returns how many were given back."""
+    ended = DeviceClaim.objects.filter(run__status__in=[*Run.FINISHED, Run.Status.QUEUED])
     if run_ids is not None:
         ended = ended.filter(run_id__in=run_ids)
     claims = list(ended.select_related("host").only("pk", "run_id", "host__status", "host__running"))

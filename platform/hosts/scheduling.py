@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from hosts.capacity import KINDS, Need, devices_word, need_of, release
@@ -156,6 +157,14 @@ class RunsSide(Protocol):
     def write_events(self, events: list[RunEvent]) -> None: ...
 
     def note_waiting(self, run: Run, reason: str) -> bool: ...
+
+    def preempt(self, run: Run, by: Run) -> bool:
+        """Asks `run` to checkpoint and stop to make room for `by`; False if it was asked already."""
+        ...
+
+    def request_stop(self, run: Run) -> None:
+        """Sends a preempted run's stop request again (it runs on: the request may be lost)."""
+        ...
 
 
 class Pass:
@@ -381,7 +390,14 @@ def schedule(runs: RunsSide) -> list[int]:
             reason = waiting_reason(need, hosts_for, this.free, kinds)
             if wants.selector:
                 reason += f" on hosts labelled {wants.describe()}"
-            reservation = reserve(run.pk, need, kinds, hosts_for, this.free, _ending_runs(this, now))
+            ending = _ending_runs(this, now)
+            victims = preemption(run, need, kinds, hosts_for, this.free, ending)
+            for victim in victims:
+                runs.preempt(victim, run)
+            # The runs asked to stop end first: the head holds their devices in reserve.
+            stopping = {v.pk for v in victims} | preempting_for(run)
+            ending.sort(key=lambda e: e[1] not in stopping)
+            reservation = reserve(run.pk, need, kinds, hosts_for, this.free, ending)
             if reservation is not None:
                 reason += f"; {reservation.describe(names)}"
                 for host_id, device in reservation.devices:
@@ -390,7 +406,57 @@ def schedule(runs: RunsSide) -> list[int]:
             own_reasons[run.pk] = reason
         this.write(runs)
         _write_reasons(runs, queue, placed, own_reasons, head, reservation, names)
+        for stopping in Run.objects.filter(status__in=ACTIVE_PLACED, preempted_by__isnull=False):
+            runs.request_stop(stopping)  # until it stops: a request may be lost, or come before its agent started
     return placed
+
+
+ACTIVE_PLACED = [Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING]
+
+
+def preempting_for(head: Run) -> set[int]:
+    return set(Run.objects.filter(preempted_by=head, status__in=ACTIVE_PLACED).values_list("pk", flat=True))
+
+
+def preemption(
+    head: Run, need: Need, kinds: Iterable[str], hosts: dict[str, list[Host]], free: dict[int, list[int]],
+    ending: list[tuple[datetime | None, int, list[tuple[int, int]]]],
+) -> list[Run]:  # fmt: skip
+    """The running runs of lower priority the head asks to checkpoint and stop so that it can
+    start: none if it would fit once the runs already stopping for it are gone; else the fewest,
+    lowest priority first, then the most recently started (least progress since their last
+    checkpoint), of runs whose project allows preemption. Empty when even all of them would not
+    make room (it waits, and stops nobody)."""
+    kinds = tuple(kinds)
+    devices = {run_id: held for _, run_id, held in ending}
+
+    def fits(stopped: Iterable[int]) -> bool:
+        freed: dict[int, list[int]] = defaultdict(list)
+        for run_id in stopped:
+            for host_id, device in devices.get(run_id, []):
+                freed[host_id].append(device)
+        return place(need, hosts, {h: free[h] + freed.get(h, []) for h in free}, kinds) is not None
+
+    already = preempting_for(head)
+    if fits(already):
+        return []
+    candidates = list(
+        Run.objects.filter(pk__in=list(devices), status__in=ACTIVE_PLACED, priority__lt=head.priority, preempted_by__isnull=True)
+        .exclude(project__quota__preemptible=False)
+        .order_by("priority", F("started_at").desc(nulls_first=True), "-pk")
+    )
+    chosen: list[Run] = []
+    for candidate in candidates:
+        chosen.append(candidate)
+        if fits(already | {c.pk for c in chosen}):
+            break
+    else:
+        return []
+    # The last one added made room; drop any earlier one it made needless.
+    for candidate in list(chosen[:-1]):
+        if fits(already | {c.pk for c in chosen if c is not candidate}):
+            chosen.remove(candidate)
+    return chosen
 
 
 def _write_reasons(

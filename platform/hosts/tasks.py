@@ -20,6 +20,8 @@ class RunsSide:
     move_to_starting = staticmethod(run_services.do_move_to_starting)
     write_events = staticmethod(run_services.write_events)
     note_waiting = staticmethod(run_services.do_note_waiting)
+    preempt = staticmethod(run_services.do_preempt)
+    request_stop = staticmethod(run_services.request_stop)
 
 
 RUNS_SIDE = RunsSide()

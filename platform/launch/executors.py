@@ -1,7 +1,7 @@
 """Executors: what starts a run's node agents and a deployment's replica supervisors, stops
 them, and says what still runs.
 
-One interface (`Executor`: launch, submit, cancel, state, relaunchable, follow_start for a run;
+One interface (`Executor`: launch, submit, cancel, request_stop, state, relaunchable, follow_start for a run;
 start_supervisors, stop_supervisors, replicas_placed, replica_hosts for a deployment) and three
 implementations, chosen by FATHOM_EXECUTOR (settings.EXECUTOR):
 
@@ -107,6 +107,11 @@ class Executor(Protocol):
         `started`: the run had left the queue; a queued run only has executor work to drop."""
         ...
 
+    def request_stop(self, run: Run, reason: str) -> None:
+        """Asks the run's ranks to checkpoint the step they agree on and stop (a preemption):
+        its agents then report `stopped`, and the run goes back to the queue."""
+        ...
+
     def state(self, run: Run) -> WorkState: ...
 
     def start_supervisors(self, request: SupervisorRequest) -> Started:
@@ -171,6 +176,9 @@ class LocalExecutor:
     def cancel(self, run: Run, *, started: bool) -> None:
         if started:
             run_agents.request_cancel(run)
+
+    def request_stop(self, run: Run, reason: str) -> None:
+        run_agents.request_stop(run, reason)
 
     def state(self, run: Run) -> WorkState:
         return WorkState(alive=run_agents.agents_alive(run))
@@ -355,6 +363,12 @@ class SlurmExecutor:
         except slurm.SlurmError as exc:
             # Should the job start after all, its agents find the cancel marker and stop at once.
             log.warning("run %s: Slurm job %s stays queued: %s", run.pk, job_id, exc)
+
+    def request_stop(self, run: Run, reason: str) -> None:
+        """The batch script's own request, written early (Slurm preempts by its own rules; Fathom
+        asks only of runs its placement preempts, which a Slurm job never is)."""
+        run.folder.mkdir(parents=True, exist_ok=True)
+        run.run_dir.stop_request.write_text(reason)
 
     def state(self, run: Run) -> WorkState:
         return self.states([run])[run.pk]

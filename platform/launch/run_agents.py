@@ -51,8 +51,9 @@ def prepare(run: Run) -> Launch:
     """
     folder = run.run_dir
     folder.logs_dir.mkdir(parents=True, exist_ok=True)
-    # A resumed run starts in the folder its cancel was requested in: the request is spent.
+    # A resumed run starts in the folder its cancel (or its preemption) was asked in: spent.
     folder.cancel_marker.unlink(missing_ok=True)
+    folder.stop_request.unlink(missing_ok=True)
     tmp = folder.spec_file.with_name(folder.spec_file.name + ".tmp")
     tmp.write_text(spec_text(run))
     tmp.replace(folder.spec_file)
@@ -184,6 +185,7 @@ def agent_arguments(run: Run, folder: Path, node: int | str, rdzv: str, token: s
         "--rdzv-endpoint", rdzv,
         "--events-url", f"{settings.PUBLIC_URL}/api/runs/{run.pk}/events/",
         f"--run-token={token}",  # one word: a token may start with "-", which argparse takes for an option
+        "--stop-requests",  # a preemption asks the ranks to checkpoint and stop (`request_stop`)
     ]  # fmt: skip
 
 
@@ -232,6 +234,23 @@ def request_cancel(run: Run) -> None:
     run.folder.mkdir(parents=True, exist_ok=True)
     run.run_dir.cancel_marker.touch()
     stop_agents(run)
+
+
+def request_stop(run: Run, reason: str) -> None:
+    """Asks the run's ranks to checkpoint the step they agree on and stop (`RunDir.stop_request`,
+    which they look for at every step's end): by a task to each host the run is placed on, which
+    writes it in the run's folder there, or here for agents this machine started. Sent again
+    while the run has not stopped (a lost message, an agent that removed a request older than
+    its start) costs nothing: the ranks stop once."""
+    claims = DeviceClaim.objects.filter(run=run).exclude(host__status=Host.Status.LOST).select_related("host")
+    hosts = {claim.host.pk: claim.host for claim in claims}
+    folder = str(run.folder.relative_to(settings.DATA_DIR))
+    for host in hosts.values():
+        send_to_host(host, "request_stop", {"folder": folder, "name": run.run_dir.stop_request.name, "reason": reason})
+    if has_local_agents(run):
+        tmp = run.run_dir.stop_request.with_name(run.run_dir.stop_request.name + ".tmp")
+        tmp.write_text(reason)
+        tmp.replace(run.run_dir.stop_request)
 
 
 def stop_agents(run: Run) -> None:

@@ -148,6 +148,9 @@ class Run(models.Model):
     # backfill gives them to no other run): {"devices": ["host:index", ...], "until": [run ids],
     # "expected_at": ISO time or null}; empty for every other run.
     reservation = models.JSONField(default=dict, blank=True)
+    # The higher-priority run this one was asked to make room for (hosts.scheduling): its ranks
+    # checkpoint the step they agree on and stop, and it goes back to the queue to resume there.
+    preempted_by = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     # Organising (issue 18): the recipe the spec started from (empty: a run from before it was
     # kept), and the owner's free-text note. Tags are RunTag rows, so a filter is a join.
     recipe = models.CharField(max_length=32, blank=True, db_index=True)

@@ -192,6 +192,51 @@ def do_move_to_starting(run: Run, rendezvous: str, nodes: list[dict[str, Any]]) 
     ]  # `starting` is no status the owner's webhooks hear of (notifications.events.RUN_EVENTS)
 
 
+def do_preempt(run: Run, by: Run) -> bool:
+    """Asks `run` to make room for the higher-priority `by` (a placement pass's choice, inside its
+    transaction): its ranks checkpoint the step they agree on and stop, and when its agents say
+    `stopped` it goes back to the queue to resume from there. False if it ended or was asked
+    already; the stop request is sent again (`request_stop`) until it stops."""
+    if not Run.objects.filter(pk=run.pk, status__in=Run.ACTIVE, preempted_by__isnull=True).exclude(
+        status=Run.Status.QUEUED
+    ).update(preempted_by=by):
+        return False
+    reason = f"preempted by run {by.pk} (priority {by.priority} over {run.priority})"
+    _record(run, "preempt_requested", {"by": by.pk, "priority": by.priority, "reason": reason})
+    run.preempted_by = by
+    transaction.on_commit(lambda: executors.for_run(run).request_stop(run, reason))
+    return True
+
+
+def request_stop(run: Run) -> None:
+    """The stop request of a run being preempted, again (a pass sends it while the run runs on)."""
+    if run.preempted_by_id is not None:
+        reason = f"preempted by run {run.preempted_by_id}"
+        transaction.on_commit(lambda: executors.for_run(run).request_stop(run, reason))
+
+
+def _requeue_stopped(run: Run, row: dict[str, Any], stopped: RunEvent) -> list[RunEvent]:
+    """An agent said `stopped`: its ranks checkpointed the step they agreed on because a
+    scheduler asked (a preemption). The run goes back to the queue and resumes from that step
+    once placed again; its devices go back once its agents are gone."""
+    step = stopped.data.get("step")
+    by = row["preempted_by_id"]
+    reason = (f"preempted by run {by}" if by else "stopped by the scheduler") + (
+        f"; resumes from step {step}" if step is not None else ""
+    )
+    moved = Run.objects.filter(pk=run.pk, status__in=[s for s in Run.ACTIVE if s != Run.Status.QUEUED]).update(
+        status=Run.Status.QUEUED, status_reason=reason, resume=True, preempted_by=None, reservation={},
+    )
+    if not moved:
+        return []
+    events = [
+        _record(run, "preempted", {"by": by, "step": step, "reason": reason}, publish=False),
+        _record(run, "queued", {"status": Run.Status.QUEUED, "resume": True, "reason": reason}, publish=False),
+    ]
+    enqueue_on_commit("hosts.tasks.schedule_runs")
+    return events
+
+
 def write_events(events: list[RunEvent]) -> None:
     """Saves events built by `do_move_to_starting` in one statement, published once committed."""
     for event in RunEvent.objects.bulk_create(events, batch_size=1000):
@@ -361,7 +406,7 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
         # IMMEDIATE transaction serialises writers instead).
         row = (
             Run.objects.select_for_update()
-            .values("last_seq", "status", "started_at", "node_reports", "silent_nodes", "cancel_requested")
+            .values("last_seq", "status", "started_at", "node_reports", "silent_nodes", "cancel_requested", "preempted_by_id", "slurm_job_id")
             .get(pk=run.pk)
         )
         held_up_to = int(RunEvent.objects.filter(run=run, source=source).aggregate(top=Max("source_seq"))["top"] or 0)
@@ -418,6 +463,10 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
             stored.append(_record(run, "status", {"status": status, "reason": reason}, publish=False))
             if status in Run.FINISHED:
                 _release_devices(run)
+        stopped = next((e for e in stored if e.kind == "stopped"), None)
+        if stopped is not None and not moved and not row["slurm_job_id"] and not row["cancel_requested"]:
+            # (A Slurm job's `stopped` is its job's requeue, which watch_slurm_jobs follows.)
+            stored += _requeue_stopped(run, row, stopped)
         if moved and status == Run.Status.SUCCEEDED:
             # The final checkpoint is exported to Hugging Face format as soon as the run succeeds
             # (once: each node agent of a multi-node run reports its own success).

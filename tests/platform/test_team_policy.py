@@ -8,6 +8,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
+from django.conf import settings
 from django.utils import timezone
 
 from hosts.models import DeviceClaim, Host
@@ -16,6 +17,7 @@ from hosts.tasks import RUNS_SIDE
 from runs import services
 from runs.models import Project, Run
 from tests.platform.conftest import client_for
+from tests.platform.test_placement import host_tasks, purge_host_queues
 
 pytestmark = pytest.mark.django_db
 
@@ -172,3 +174,50 @@ def test_the_queue_shows_every_run_in_order_with_why_it_waits_and_hides_names_it
     assert queue[0]["status_reason"].startswith("waiting: needs 1 CPU slot, 0 free; holds c:0 in reserve until run")
     assert queue[0]["reservation"]["devices"] == ["c:0"] and queue[0]["reservation"]["until"] == [first]
     assert bob_api.get("/api/queue/").json()[0]["name"] == "bobs secret"
+
+
+def test_a_higher_priority_run_that_cannot_start_preempts_a_lower_one_which_checkpoints_and_queues_again(
+    alice, bob, alice_api, bob_api, staff_api, django_capture_on_commit_callbacks
+):
+    purge_host_queues()
+    add_host("a", 2)
+    low = submit(bob_api, "low", {"layout": {"dp": 2}, "train": {"steps": 100, "warmup_steps": 2}}).json()["id"]
+    assert schedule(RUNS_SIDE) == [low]
+    Run.objects.filter(pk=low).update(status=Run.Status.RUNNING, started_at=timezone.now(), step=7, token_launch=1)
+    staff_api.post("/api/quotas/", {"user": "alice", "priority_ceiling": 5}, format="json")
+    high = submit(alice_api, "high", {"layout": {"dp": 2}, "train": {"steps": 4, "warmup_steps": 2}}, priority=5).json()["id"]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert schedule(RUNS_SIDE) == []
+    preempted = Run.objects.get(pk=low)
+    assert preempted.preempted_by_id == high
+    assert preempted.events.get(kind="preempt_requested").data == {
+        "by": high, "priority": 5, "reason": f"preempted by run {high} (priority 5 over 0)",
+    }  # fmt: skip
+    folder = str(preempted.folder.relative_to(settings.DATA_DIR))
+    asked = [kwargs for task, kwargs in host_tasks("host.a") if task == "hostworker.tasks.request_stop"]
+    assert asked[0] == {"folder": folder, "name": "stop-request", "reason": f"preempted by run {high} (priority 5 over 0)"}
+    assert Run.objects.get(pk=high).reservation["until"] == [low]
+    # Its ranks checkpoint step 9, the step they agreed on; its agent says so and exits.
+    stopped = {"seq": 1, "kind": "stopped", "data": {"step": 9, "reason": "checkpointed step 9 as the scheduler asked"}}
+    services.do_ingest_events(preempted, "node-0", [stopped])
+    requeued = Run.objects.get(pk=low)
+    assert (requeued.status, requeued.resume, requeued.preempted_by_id) == ("queued", True, None)
+    assert requeued.status_reason == f"preempted by run {high}; resumes from step 9"
+    assert [e.kind for e in requeued.events.order_by("seq")][-3:] == ["stopped", "preempted", "queued"]
+    # Host a's beat lists no agent of it: its devices go back, and the high run takes them.
+    assert schedule(RUNS_SIDE) == [high]
+    assert Run.objects.get(pk=low).status_reason.startswith("waiting: needs 2 CPU slots")
+    purge_host_queues()
+
+
+def test_a_project_staff_keep_from_preemption_is_never_preempted(alice, bob, alice_api, bob_api, staff_api):
+    add_host("a", 2)
+    project = Project.objects.create(owner=bob, name="protected")
+    staff_api.post("/api/quotas/", {"project": project.pk, "preemptible": False}, format="json")
+    low = submit(bob_api, "low", {"layout": {"dp": 2}, "train": {"steps": 100, "warmup_steps": 2}}, project=project.pk).json()["id"]
+    assert schedule(RUNS_SIDE) == [low]
+    staff_api.post("/api/quotas/", {"user": "alice", "priority_ceiling": 5}, format="json")
+    high = submit(alice_api, "high", {"layout": {"dp": 2}}, priority=5).json()["id"]
+    assert schedule(RUNS_SIDE) == []
+    assert Run.objects.get(pk=low).preempted_by_id is None
+    assert Run.objects.get(pk=high).reservation["until"] == [low]  # it waits for the run to end

@@ -54,6 +54,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sigterm", choices=("cancel", "stop"), default="cancel",
         help="stop: SIGTERM without the cancel marker ends this job, not the run (a scheduler such as Slurm sent it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--stop-requests", action="store_true",
+        help="the ranks look for the run folder's stop request at every step (a scheduler that preempts asks there); "
+        "implied by --sigterm stop",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -80,8 +85,13 @@ def _build(args: argparse.Namespace, plan: NodePlan) -> tuple[AgentConfig, Repor
         rdzv_last_call_timeout=args.rdzv_last_call,
         rdzv_join_timeout=args.rdzv_join_timeout,
         sigterm_stops=args.sigterm == "stop",
+        stop_requests=args.stop_requests or args.sigterm == "stop",
     )
     config.node_dir.path.mkdir(parents=True, exist_ok=True)
+    if config.stop_requests and not config.sigterm_stops:
+        # A stop request older than this start was the last launch's (a preempted run resumes in
+        # its folder); a Slurm job's batch script removes its own before it starts the agents.
+        config.folder.stop_request.unlink(missing_ok=True)
     reporter = Reporter(
         ReporterConfig(
             source=f"node-{config.node_rank}",

@@ -29,6 +29,7 @@ budget, scale-up when a node waits to join, exit barrier) with Fathom's own part
   scheduler may also ask, ahead of its time limit, for a checkpoint first (`RunDir.stop_request`,
   which the ranks look for at every step's end): the ranks save the step they agree on, exit
   with SAVED_AND_STOPPED_EXIT once it is committed, and the agent reports `stopped` with it.
+  Fathom's own scheduler asks the same of a run it preempts (`--stop-requests`, on hosts).
 
 The exit status says the outcome (`ExitCode`).
 """
@@ -124,6 +125,9 @@ class AgentConfig:
     # SIGTERM without the cancel marker means the scheduler is ending this job (Slurm), not that
     # the run is cancelled: report `stopped` so the control plane waits for the job to come back.
     sigterm_stops: bool = False
+    # The ranks look for the run folder's stop request at every step's end (a rendezvous of the
+    # step's loss all-reduce: nothing more): a scheduler's job ending, or a preemption, asks there.
+    stop_requests: bool = False
     rdzv_join_timeout: float = 600.0  # a rendezvous that has not formed by then fails the run
     # Once `nodes.min` agents have joined, how long to wait for the rest before starting without
     # them; a late node then joins through a scale-up restart.
@@ -226,8 +230,8 @@ class NodeAgent(SimpleElasticAgent):
                 heartbeat_interval=self.config.heartbeat_interval,
                 events_file=self.config.node_dir.events_file,
                 error_file=self.config.node_dir.error_file(worker.global_rank),
-                # Only a scheduler's job asks for a checkpoint before it ends (see the module's docstring).
-                stop_request_file=self.config.folder.stop_request if self.config.sigterm_stops else None,
+                # Only a scheduler asks for a checkpoint before it stops the run (see the module's docstring).
+                stop_request_file=self.config.folder.stop_request if self.config.stop_requests else None,
                 # Datasets on object storage are checked once a machine, in its data folder.
                 download_cache=self.config.started.cache_root(RunDir(self.config.run_dir).data_dir / "cache"),
             )
