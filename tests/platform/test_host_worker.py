@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from hosts.models import Host
+from hosts.models import Host, Quota
 from hostworker.config import HostConfig
 from hostworker.devices import slot_cores
 from hostworker.processes import Processes, is_alive
 from runs.models import Run
 from tests.platform.conftest import HostWorker, free_port
 from tests.platform.test_run_lifecycle import api, wait_until
+from tools.check_parity import launch, step_values
+from training.config import RunSpec
 from training.heartbeat import read_beat
 from training.run_dir import RunDir
 
@@ -182,5 +184,50 @@ def test_a_run_placed_on_a_host_worker_trains_there_is_cancelled_there_and_frees
         wait_until(lambda: Host.objects.get().running == [], 60, "the host to report nothing running")
         # The slots come back once the host's beat says the agent is gone (a pass it queues).
         wait_until(lambda: client.get("/api/hosts/").json()["results"][0]["free"] == 2, 30, "the slots back")
+        preempted_and_resumed_on_the_same_curve(client, alice, tmp_path)
     finally:
         host.stop()
+
+
+def preempted_and_resumed_on_the_same_curve(client, alice, tmp_path: Path) -> None:
+    """A run of higher priority that cannot start makes a lower one checkpoint the step its ranks
+    agree on and go back to the queue; the high one runs, then the low one resumes from that
+    step on the loss curve of a run nobody stopped, bit for bit (issue 36)."""
+    steps = 30  # rank 0 waits 0.2 s a step: the high run arrives mid-run however fast this host is
+    low_spec = {
+        "layout": {"dp": 2}, "train": {"steps": steps, "checkpoint_interval": steps, "global_batch": 4},
+        "faults": [{"kind": "slow_steps", "rank": 0, "step": 1}],
+    }  # fmt: skip
+    low = client.post("/api/runs/", json={"name": "low", "spec": low_spec}).json()["id"]
+    wait_until(lambda: Run.objects.get(pk=low).step >= 3, 240, "the low run to train")
+    Quota.objects.create(user=alice, priority_ceiling=5)
+    high_spec = {"layout": {"dp": 2}, "train": {"steps": 4, "warmup_steps": 2}}
+    high = client.post("/api/runs/", json={"name": "high", "spec": high_spec, "priority": 5}).json()["id"]
+    wait_until(lambda: Run.objects.get(pk=high).status in Run.FINISHED, 300, "the high run to end")
+    wait_until(lambda: Run.objects.get(pk=low).status in Run.FINISHED, 300, "the low run to end")
+    assert Run.objects.get(pk=high).status == "succeeded"
+    run = Run.objects.get(pk=low)
+    assert run.status == "succeeded", run.status_reason
+    events = list(run.events.order_by("seq").values("kind", "time", "data"))
+    kinds = [e["kind"] for e in events]
+    asked = next(e for e in events if e["kind"] == "preempt_requested")
+    assert asked["data"]["by"] == high
+    (stop,) = [e["data"]["step"] for e in events if e["kind"] == "stop_requested"]
+    assert 3 <= stop < steps
+    assert [e["data"]["step"] for e in events if e["kind"] == "checkpoint"] == [stop, steps]
+    assert next(e for e in events if e["kind"] == "preempted")["data"] == {
+        "by": high, "step": stop, "reason": f"preempted by run {high}; resumes from step {stop}",
+    }  # fmt: skip
+    assert kinds.index("stopped") < kinds.index("preempted") < kinds.index("resumed")
+    assert [e["data"]["step"] for e in events if e["kind"] == "resumed"] == [stop]
+    # The high run's first step came after the low one stopped, and before it resumed.
+    high_first = Run.objects.get(pk=high).events.filter(kind="metrics").order_by("seq").first()
+    assert next(e["time"] for e in events if e["kind"] == "stopped") < high_first.time
+    assert high_first.time < next(e["time"] for e in events if e["kind"] == "resumed")
+    # Every step once, on the curve of the same spec run without a stop (nor the wait, which
+    # changes no value).
+    losses = [(e["data"]["step"], e["data"]["loss"]) for e in events if e["kind"] == "metrics"]
+    assert [step for step, _ in losses] == list(range(1, steps + 1))
+    reference = launch(dataclasses.replace(RunSpec.from_json(run.run_dir.spec_file.read_text()), faults=[]),
+                       tmp_path / "uninterrupted", 600)  # fmt: skip
+    assert dict(losses) == step_values(reference)
