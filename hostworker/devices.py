@@ -26,8 +26,22 @@ def gpus() -> list[dict[str, Any]]:
     return found
 
 
+def memory_mb() -> int:
+    """The machine's RAM (/proc/meminfo's MemTotal); 0 where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def cpu_slots(count: int) -> list[dict[str, Any]]:
-    return [{"index": i, "kind": "cpu", "model": "cpu", "memory_mb": 0} for i in range(count)]
+    """`count` CPU slots, each with an equal share of the machine's RAM: what placement checks a
+    rank's memory against."""
+    share = memory_mb() // max(count, 1)
+    return [{"index": i, "kind": "cpu", "model": "cpu", "memory_mb": share} for i in range(count)]
 
 
 def cpu_flags() -> list[str]:

@@ -38,13 +38,20 @@ def need_of(spec: dict[str, Any]) -> Need:
     return Need(nodes=nodes, per_node=per_node)
 
 
+def wanted_kinds(spec: dict[str, Any], cluster_has_gpus: bool) -> tuple[str, ...]:
+    """The device kinds a run may be placed on, in the order they are tried (`resources.device`;
+    empty: GPUs where the cluster has a GPU host, else CPU slots)."""
+    device = (spec.get("resources") or {}).get("device") or ("gpu" if cluster_has_gpus else "cpu")
+    return KINDS if device == "any" else (device,)
+
+
 def devices_word(kind: str, count: int) -> str:
     if kind == "gpu":
         return f"{count} GPU" + ("" if count == 1 else "s")
     return f"{count} CPU slot" + ("" if count == 1 else "s")
 
 
-def why_it_never_fits(need: Need, hosts: list[Host]) -> str:
+def why_it_never_fits(need: Need, hosts: list[Host], kinds: tuple[str, ...] = KINDS) -> str:
     """Empty when the hosts of some kind, all of them free, could hold the run; else why not.
 
     Every registered host counts, lost and draining ones too: they may come back, and a run that
@@ -52,8 +59,10 @@ def why_it_never_fits(need: Need, hosts: list[Host]) -> str:
     `per_node` devices (nodes spread over hosts when they can, but may share one)."""
     if not hosts:
         return ""
+    if not any(h.device_kind in kinds for h in hosts):
+        return f"asks for {' or '.join(k.upper() for k in kinds)} devices (resources.device); the cluster has none"
     reasons = []
-    for kind in KINDS:
+    for kind in kinds:
         sizes = sorted((len(h.device_indexes) for h in hosts if h.device_kind == kind), reverse=True)
         if not sizes:
             continue
@@ -61,10 +70,45 @@ def why_it_never_fits(need: Need, hosts: list[Host]) -> str:
             return ""
         hosts_word = f"{len(sizes)} {kind.upper()} host{'s' if len(sizes) != 1 else ''}"
         reasons.append(f"{hosts_word} with {devices_word(kind, sum(sizes))} in all, at most {sizes[0]} on one host")
-    kind = next(k for k in KINDS if any(h.device_kind == k for h in hosts))
+    kind = next(k for k in kinds if any(h.device_kind == k for h in hosts))
     return (
         f"needs {need.nodes} node{'s' if need.nodes != 1 else ''} × {devices_word(kind, need.per_node)} "
         f"({need.total} in all, each node on one host); the cluster has {', '.join(reasons)}"
+    )
+
+
+def device_memory_mb(host: Host) -> int:
+    """The least memory of the host's devices of its kind, in MB; 0: not reported (no check)."""
+    sizes = [int(d.get("memory_mb") or 0) for d in host.devices if d.get("kind") == host.device_kind]
+    return min(sizes) if sizes and all(sizes) else 0
+
+
+def holds_rank(host: Host, rank_memory_mb: dict[str, int]) -> bool:
+    """Whether each device of the host holds one rank of a run needing `rank_memory_mb` (by kind)."""
+    need, has = int(rank_memory_mb.get(host.device_kind) or 0), device_memory_mb(host)
+    return not need or not has or need <= has
+
+
+def gib(mb: int) -> str:
+    return f"{mb / 1024:.1f} GiB"
+
+
+def why_memory_never_fits(rank_memory_mb: dict[str, int], kinds: tuple[str, ...], hosts: list[Host]) -> str:
+    """Empty when some registered host of `kinds` has devices that hold one of the run's ranks
+    (or reports no memory); else the numbers: what a rank needs and the most any device has."""
+    of_kind = [h for h in hosts if h.device_kind in kinds]
+    if not of_kind or not rank_memory_mb or any(holds_rank(h, rank_memory_mb) for h in of_kind):
+        return ""
+    parts = []
+    for kind in kinds:
+        largest = max((device_memory_mb(h) for h in of_kind if h.device_kind == kind), default=0)
+        if largest:
+            device = "GPU" if kind == "gpu" else "CPU slot (its share of the host's RAM)"
+            parts.append(f"about {gib(rank_memory_mb[kind])} on a {device}, and the largest has {gib(largest)}")
+    return (
+        "each rank needs " + "; or ".join(parts) + " (the planner's estimate): shard it over more ranks "
+        "(layout.tp, layout.pp, layout.zero), recompute activations (layout.recompute), or lower "
+        "train.global_batch per pass (train.grad_accum)"
     )
 
 

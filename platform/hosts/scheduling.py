@@ -28,7 +28,8 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from hosts.capacity import KINDS, Need, devices_word, need_of, release
+from hosts import capacity
+from hosts.capacity import KINDS, Need, devices_word, gib, holds_rank, need_of, release, wanted_kinds
 from hosts.models import DeviceClaim, Host
 from hosts.quotas import Policy, share_of
 from runs.models import Run, RunEvent
@@ -237,8 +238,7 @@ class Wants:
     @classmethod
     def of(cls, spec: dict[str, Any], cluster_has_gpus: bool) -> Wants:
         resources = spec.get("resources") or {}
-        device = resources.get("device") or ("gpu" if cluster_has_gpus else "cpu")
-        kinds = KINDS if device == "any" else (device,)
+        kinds = wanted_kinds(spec, cluster_has_gpus)
         try:
             selector = ResourcesConfig(labels=resources.get("labels", "")).selector()
         except SpecError:
@@ -356,8 +356,13 @@ def schedule(runs: RunsSide) -> list[int]:
         names = {h.pk: h.name for h in hosts}
         has_gpus = any(h.device_kind == "gpu" for h in hosts)
         queue = list(Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False))
-        candidates: dict[tuple[tuple[str, str], ...], dict[str, list[Host]]] = {(): this.ready}
-        failed: set[tuple[Need, tuple[tuple[str, str], ...], tuple[str, ...]]] = set()  # free only shrinks in a pass
+        candidates: dict[tuple[Any, ...], dict[str, list[Host]]] = {((), ()): this.ready}
+        # The least device memory a ready host of each kind reports (hosts that report none hold anything).
+        smallest = {
+            kind: min((mb for h in of_kind if (mb := capacity.device_memory_mb(h))), default=2**62)
+            for kind, of_kind in this.ready.items()
+        }  # fmt: skip
+        failed: set[tuple[Need, tuple[Any, ...], tuple[str, ...]]] = set()  # free devices only shrink in a pass
         head: Run | None = None
         reservation: Reservation | None = None
         own_reasons: dict[int, str] = {}  # the head's, and those of runs that wait for a reason of their own
@@ -370,13 +375,17 @@ def schedule(runs: RunsSide) -> list[int]:
             if not kinds:
                 own_reasons[run.pk] = over_quota
                 continue
-            if wants.selector not in candidates:
-                candidates[wants.selector] = {
-                    kind: [h for h in of_kind if all(h.labels.get(k) == v for k, v in wants.selector)]
+            # Only a run whose ranks need more than some ready device holds has hosts left out.
+            memory = run.rank_memory_mb or {}
+            big = tuple(sorted((k, mb) for k, mb in memory.items() if mb > smallest.get(k, 2**62) and k in kinds))
+            key = (wants.selector, big)
+            if key not in candidates:
+                candidates[key] = {
+                    kind: [h for h in of_kind if all(h.labels.get(k) == v for k, v in wants.selector) and holds_rank(h, dict(big))]
                     for kind, of_kind in this.ready.items()
                 }  # fmt: skip
-            hosts_for = candidates[wants.selector]
-            shape = (need, wants.selector, tuple(kinds))
+            hosts_for = candidates[key]
+            shape = (need, key, tuple(kinds))
             gang = None if shape in failed else place(need, hosts_for, this.free, kinds)
             if gang is not None:
                 if this.claim(run, gang, runs):
@@ -390,6 +399,8 @@ def schedule(runs: RunsSide) -> list[int]:
             reason = waiting_reason(need, hosts_for, this.free, kinds)
             if wants.selector:
                 reason += f" on hosts labelled {wants.describe()}"
+            if big:
+                reason += f", of hosts whose devices hold one of its ranks ({', '.join(f'{gib(mb)} on a {k.upper()}' for k, mb in big)})"
             ending = _ending_runs(this, now)
             victims = preemption(run, need, kinds, hosts_for, this.free, ending)
             for victim in victims:
@@ -406,8 +417,8 @@ def schedule(runs: RunsSide) -> list[int]:
             own_reasons[run.pk] = reason
         this.write(runs)
         _write_reasons(runs, queue, placed, own_reasons, head, reservation, names)
-        for stopping in Run.objects.filter(status__in=ACTIVE_PLACED, preempted_by__isnull=False):
-            runs.request_stop(stopping)  # until it stops: a request may be lost, or come before its agent started
+        for preempted in Run.objects.filter(status__in=ACTIVE_PLACED, preempted_by__isnull=False):
+            runs.request_stop(preempted)  # until it stops: a request may be lost, or come before its agent started
     return placed
 
 

@@ -151,6 +151,10 @@ class Run(models.Model):
     # The higher-priority run this one was asked to make room for (hosts.scheduling): its ranks
     # checkpoint the step they agree on and stop, and it goes back to the queue to resume there.
     preempted_by = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # What its busiest rank holds at its peak, in MB, on a GPU and on a CPU slot (the planner's
+    # estimate, `training.planner.layout_costs.rank_memory`, made at submit): placement puts it
+    # only on devices that hold that much. Empty: not estimated (a run from before).
+    rank_memory_mb = models.JSONField(default=dict, blank=True)
     # Organising (issue 18): the recipe the spec started from (empty: a run from before it was
     # kept), and the owner's free-text note. Tags are RunTag rows, so a filter is a join.
     recipe = models.CharField(max_length=32, blank=True, db_index=True)

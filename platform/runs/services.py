@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run, RunE
 from runs.specs import check_run_data, check_run_storage, run_storage
 from training.checkpoint_storage import is_committed_at
 from training.config import DataConfig, RunSpec
+from training.planner.layout_costs import rank_memory
 from training.storage import local_root
 
 CONTROL_SOURCE = "control"
@@ -85,7 +86,7 @@ def do_create_run(
     fills it in again (the launcher writes it as stored)."""
     check_run_data(spec, dataset, tokenizer_run, validation_dataset, pretrained)
     quotas.check_submit(owner, project, priority)
-    check_fits_cluster(spec)
+    rank_memory_mb = check_fits_cluster(spec)
     check_run_storage()
     resolved = resolve_data(spec, dataset, tokenizer_run, validation_dataset, pretrained)
     with transaction.atomic():
@@ -93,6 +94,7 @@ def do_create_run(
             owner=owner, name=name, spec=resolved.to_dict(), dataset=dataset, tokenizer_run=tokenizer_run,
             validation_dataset=validation_dataset, pretrained=pretrained, priority=priority, recipe=recipe,
             project=project, slurm=slurm_options.to_dict() if slurm_options is not None else {},
+            rank_memory_mb=rank_memory_mb,
         )
         _record(run, "queued", {"status": Run.Status.QUEUED})
         enqueue_on_commit("runs.tasks.launch_run", run.pk)
@@ -215,7 +217,7 @@ def request_stop(run: Run) -> None:
         transaction.on_commit(lambda: executors.for_run(run).request_stop(run, reason))
 
 
-def _requeue_stopped(run: Run, row: dict[str, Any], stopped: RunEvent) -> list[RunEvent]:
+def _requeue_stopped(run: Run, row: Mapping[str, Any], stopped: RunEvent) -> list[RunEvent]:
     """An agent said `stopped`: its ranks checkpointed the step they agreed on because a
     scheduler asked (a preemption). The run goes back to the queue and resumes from that step
     once placed again; its devices go back once its agents are gone."""
@@ -250,12 +252,19 @@ def _release_devices(run: Run) -> None:
         enqueue_on_commit("hosts.tasks.schedule_runs")
 
 
-def check_fits_cluster(spec: RunSpec) -> None:
-    """Refuses a run the registered hosts could never hold, even all free (no hosts: the run
-    starts on the worker's machine, as before hosts existed)."""
+def check_fits_cluster(spec: RunSpec) -> dict[str, int]:
+    """Refuses a run the registered hosts could never hold, even all free: too few devices of the
+    kind it asks for, or none that holds one of its ranks (no hosts: the run starts on the
+    worker's machine, as before hosts existed). Returns its busiest rank's memory, in MB, on a
+    GPU and on a CPU slot, which placement checks hosts against."""
+    memory = {kind: math.ceil(rank_memory(spec, device).total / 2**20) for kind, device in (("gpu", "h100"), ("cpu", "cpu"))}
     hosts = list(Host.objects.all())
-    if reason := capacity.why_it_never_fits(capacity.need_of(spec.to_dict()), hosts):
-        raise InvalidInput("spec.nodes", reason)
+    kinds = capacity.wanted_kinds(spec.to_dict(), any(h.device_kind == "gpu" for h in hosts))
+    if reason := capacity.why_it_never_fits(capacity.need_of(spec.to_dict()), hosts, kinds):
+        raise InvalidInput("spec.resources.device" if reason.startswith("asks for") else "spec.nodes", reason)
+    if reason := capacity.why_memory_never_fits(memory, kinds, hosts):
+        raise InvalidInput("spec.layout", reason)
+    return memory
 
 
 # --- Events ------------------------------------------------------------------------------------

@@ -221,3 +221,24 @@ def test_a_project_staff_keep_from_preemption_is_never_preempted(alice, bob, ali
     assert schedule(RUNS_SIDE) == []
     assert Run.objects.get(pk=low).preempted_by_id is None
     assert Run.objects.get(pk=high).reservation["until"] == [low]  # it waits for the run to end
+
+
+def test_a_run_whose_ranks_no_device_holds_is_refused_with_the_numbers_and_one_that_fits_only_a_busy_host_waits(alice, alice_api):
+    add_host("small-gpus", 2, "gpu")
+    Host.objects.filter(name="small-gpus").update(devices=[{"index": i, "kind": "gpu", "memory_mb": 2048} for i in range(2)])
+    refused = alice_api.post("/api/runs/", {"name": "too big", "recipe": "small"}, format="json")
+    assert refused.status_code == 400
+    (message,) = refused.json()["spec"]["layout"]
+    assert message.startswith("each rank needs about 4.2 GiB on a GPU, and the largest has 2.0 GiB (the planner's estimate)")
+    assert not Run.objects.exists()
+    big = add_host("big-gpus", 1, "gpu")
+    Host.objects.filter(pk=big.pk).update(devices=[{"index": 0, "kind": "gpu", "memory_mb": 8192}])
+    first = alice_api.post("/api/runs/", {"name": "first", "recipe": "small"}, format="json").json()["id"]
+    second = alice_api.post("/api/runs/", {"name": "second", "recipe": "small"}, format="json").json()["id"]
+    assert Run.objects.get(pk=first).rank_memory_mb == {"gpu": 4283, "cpu": 1519}
+    assert schedule(RUNS_SIDE) == [first]
+    assert placed_on(first) == ["big-gpus:0"]
+    # Two small GPUs are free, but neither holds a rank of it: it waits for the big one.
+    reason = Run.objects.get(pk=second).status_reason
+    assert reason.startswith("waiting: needs 1 GPU, 0 free, of hosts whose devices hold one of its ranks (4.2 GiB on a GPU)")
+    assert DeviceClaim.objects.filter(host__name="small-gpus").count() == 0

@@ -559,3 +559,20 @@ def _dp_traffic(
         exposed_seconds=exposed,
         collectives=["reduce-scatter gradients", f"all-gather weights on {passes} passes"],
     )
+
+
+def rank_memory(spec: RunSpec, device: str) -> Memory:
+    """What the busiest rank of `spec` holds at its peak on a `device` of `DEVICES` ("cpu" for a
+    CPU slot, any GPU preset for a GPU: only the runtime's reserve differs), by the same model the
+    planner ranks layouts with; the scheduler checks it against a host's device memory."""
+    from training.planner.hardware import DEVICES
+
+    lay = spec.layout
+    local = spec.train.global_batch // lay.dp
+    micro = local // (lay.microbatches if lay.pp > 1 else spec.train.grad_accum)
+    candidate = Candidate(
+        dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero, recompute=lay.recompute, micro_batch=max(micro, 1),
+        schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
+    )  # fmt: skip
+    cluster = Cluster(device=DEVICES[device], nodes=spec.nodes.max, devices_per_node=spec.nproc_per_node)
+    return _estimate(spec, cluster, candidate, FATHOM).memory
