@@ -13,6 +13,7 @@ urlpatterns = [
     path("deployments", views.deployments_page, name="deployments-page"),
     path("deployments/<int:deployment_id>", views.deployment_page, name="deployment-page"),
     path("hosts", views.hosts_page, name="hosts-page"),
+    path("queue", views.queue_page, name="queue-page"),
     path("settings/webhooks", views.webhooks_page, name="webhooks-page"),
     path("projects", views.projects_page, name="projects-page"),
     path("dashboard/sparklines/", views.sparklines, name="dashboard-sparklines"),

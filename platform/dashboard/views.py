@@ -49,6 +49,11 @@ def hosts_page(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
+def queue_page(request: HttpRequest) -> HttpResponse:
+    return render(request, "dashboard/queue.html")
+
+
+@login_required
 def run_new_page(request: HttpRequest) -> HttpResponse:
     # The recipes' own values become the placeholders of the form's inputs, so an empty input
     # visibly means "the recipe's value" and the API fills it in.
