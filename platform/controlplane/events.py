@@ -64,6 +64,21 @@ def publish_on_commit(group: str, messages: list[dict[str, Any]]) -> None:
         transaction.on_commit(lambda: publish(group, messages))
 
 
+def publish_many_on_commit(by_group: dict[str, list[dict[str, Any]]]) -> None:
+    """`publish_on_commit` for many groups at once (a placement pass's runs): one trip into the
+    channel layer's event loop for all of them, not one each."""
+    if not by_group:
+        return
+    layer = get_channel_layer()
+
+    async def send_all() -> None:
+        for group, messages in by_group.items():
+            await layer.group_send(group, {"type": "stream.events", "events": messages})
+
+    if layer is not None:
+        transaction.on_commit(async_to_sync(send_all))
+
+
 def events_after(events: QuerySet[Any], after: int, limit: int) -> list[dict[str, Any]]:
     """Messages of the events with a seq above `after`, in order, at most `limit`."""
     return [e.as_message() for e in events.filter(seq__gt=after).order_by("seq")[:limit]]

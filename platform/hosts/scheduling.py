@@ -15,6 +15,7 @@ labels match its selector (`resources.labels`). A placement is `DeviceClaim` row
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections import defaultdict
@@ -32,7 +33,7 @@ from hosts import capacity
 from hosts.capacity import KINDS, Need, devices_word, gib, holds_rank, need_of, release, wanted_kinds
 from hosts.models import DeviceClaim, Host
 from hosts.quotas import Policy, share_of
-from runs.models import Run, RunEvent
+from runs.models import Run
 from training.config import ResourcesConfig, SpecError
 from training.ports import listen_port
 
@@ -150,14 +151,17 @@ class RunsSide(Protocol):
         """A queued run's earlier agents still stop: their last events must land first."""
         ...
 
-    def move_to_starting(self, run: Run, rendezvous: str, nodes: list[dict[str, Any]]) -> list[RunEvent] | None:
-        """The run's move to `starting`, inside the pass's transaction; its events unsaved, or
-        None if it moved on since it was read."""
+    def move_to_starting(self, placements: list[tuple[Run, str, list[dict[str, Any]]]]) -> list[int]:
+        """The placed runs' move to `starting` (each with its rendezvous endpoint and nodes) and
+        their events, inside the pass's transaction, in a few statements whatever their number;
+        returns those that moved (not those that moved on since they were read)."""
         ...
 
-    def write_events(self, events: list[RunEvent]) -> None: ...
-
     def note_waiting(self, run: Run, reason: str) -> bool: ...
+
+    def note_waiting_many(self, runs: list[Run], reason: str) -> None:
+        """One reason for many queued runs, in one UPDATE and without an event each."""
+        ...
 
     def preempt(self, run: Run, by: Run) -> bool:
         """Asks `run` to checkpoint and stop to make room for `by`; False if it was asked already."""
@@ -190,8 +194,10 @@ class Pass:
         ):
             address, _, port = endpoint.rpartition(":")
             self.ports[address].add(port)
-        self.claims: list[DeviceClaim] = []
-        self.events: list[RunEvent] = []
+        self.claims: dict[int, list[DeviceClaim]] = {}
+        self.placements: list[tuple[Run, str, list[dict[str, Any]]]] = []
+        self.filled = 0  # hosts this pass filled since the candidate lists were last pruned
+        self.all_ready = {kind: list(of_kind) for kind, of_kind in self.ready.items()}  # never pruned
 
     def rendezvous_endpoint(self, gang: list[tuple[Host, list[int]]]) -> str:
         """Where the run's agents meet: for one node, a port on its host, where its agent hosts
@@ -199,32 +205,44 @@ class Pass:
         the store (`run_agents.start_store_here`), so that no host of the run holds it. A port no
         active run's rendezvous holds, and on this machine one nothing listens on now."""
         address = settings.RENDEZVOUS_ADDRESS if len(gang) > 1 else gang[0][0].address
-        free = [p for p in settings.RENDEZVOUS_PORTS if str(p) not in self.ports[address]]
-        port = str(listen_port(free, host="") if len(gang) > 1 else random.choice(free))
-        self.ports[address].add(port)
+        taken = self.ports[address]
+        ports = settings.RENDEZVOUS_PORTS
+        # Most ports are free: a few random tries find one without listing the range each time.
+        tries = [p for p in random.sample(ports, min(8, len(ports))) if str(p) not in taken]
+        free = tries or [p for p in ports if str(p) not in taken]
+        port = str(listen_port(free, host="") if len(gang) > 1 else free[0])
+        taken.add(port)
         return f"{address}:{port}"
 
-    def claim(self, run: Run, gang: list[tuple[Host, list[int]]], runs: RunsSide) -> bool:
-        """Gives the run its devices and rendezvous, and has the runs' side move it to `starting`;
-        False if it moved on meanwhile."""
+    def prune_full_hosts(self, lists: Iterable[list[Host]]) -> None:
+        """Takes hosts with no free device out of `lists` (the candidate lists a pass keeps):
+        placement then looks only at hosts that can still give something."""
+        for hosts in lists:
+            hosts[:] = [h for h in hosts if self.free[h.id]]
+        self.filled = 0
+
+    def claim(self, run: Run, gang: list[tuple[Host, list[int]]]) -> None:
+        """Gives the run its devices and rendezvous, for the pass's end to write."""
         endpoint = self.rendezvous_endpoint(gang)
         nodes = [
             {"node": node, "host": host.name, "address": host.address, "devices": devices}
             for node, (host, devices) in enumerate(gang)
         ]
-        events = runs.move_to_starting(run, endpoint, nodes)
-        if events is None:
-            return False
+        self.placements.append((run, endpoint, nodes))
+        self.claims[run.pk] = []
         for node, (host, devices) in enumerate(gang):
-            self.free[host.pk] = [d for d in self.free[host.pk] if d not in devices]
-            self.claims += [DeviceClaim(host=host, device=device, run=run, node=node) for device in devices]
-        self.events += events
-        return True
+            taken = set(devices)
+            self.free[host.pk] = [d for d in self.free[host.pk] if d not in taken]
+            self.filled += not self.free[host.pk]
+            self.claims[run.pk] += [DeviceClaim(host=host, device=device, run=run, node=node) for device in devices]
 
-    def write(self, runs: RunsSide) -> None:
+    def write(self, runs: RunsSide) -> list[int]:
+        """The placed runs' moves, claims and events; returns the runs that moved (one cancelled
+        since the pass read it keeps no claim, and its devices are free for the next pass)."""
+        moved = runs.move_to_starting(self.placements)
         # The unique (host, device) constraint refuses a device given twice right here.
-        DeviceClaim.objects.bulk_create(self.claims, batch_size=1000)
-        runs.write_events(self.events)
+        DeviceClaim.objects.bulk_create([c for run_id in moved for c in self.claims[run_id]], batch_size=1000)
+        return moved
 
 
 @dataclass(frozen=True)
@@ -237,16 +255,18 @@ class Wants:
 
     @classmethod
     def of(cls, spec: dict[str, Any], cluster_has_gpus: bool) -> Wants:
-        resources = spec.get("resources") or {}
-        kinds = wanted_kinds(spec, cluster_has_gpus)
-        try:
-            selector = ResourcesConfig(labels=resources.get("labels", "")).selector()
-        except SpecError:
-            selector = {}  # checked at submit: a stored spec's selector is well formed
-        return cls(kinds, tuple(sorted(selector.items())))
+        return cls(wanted_kinds(spec, cluster_has_gpus), _selector((spec.get("resources") or {}).get("labels", "")))
 
     def describe(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.selector)
+
+
+@functools.lru_cache(maxsize=1024)
+def _selector(labels: str) -> tuple[tuple[str, str], ...]:
+    try:
+        return tuple(sorted(ResourcesConfig(labels=labels).selector().items()))
+    except SpecError:
+        return ()  # checked at submit: a stored spec's selector is well formed
 
 
 @dataclass
@@ -324,9 +344,8 @@ def _ending_runs(this: Pass, now: datetime) -> list[tuple[datetime | None, int, 
     held: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for run_id, host_id, device in DeviceClaim.objects.filter(run__isnull=False).values_list("run_id", "host_id", "device"):
         held[run_id].append((host_id, device))
-    for claim in this.claims:
-        if claim.run_id is not None:
-            held[claim.run_id].append((claim.host_id, claim.device))
+    for run_id, claims in this.claims.items():
+        held[run_id] += [(claim.host_id, claim.device) for claim in claims]
     progress = Run.objects.filter(pk__in=list(held)).values_list("pk", "started_at", "step", "spec__train__steps")
     ends = {pk: expected_end(started, step or 0, int(steps or 0), now) for pk, started, step, steps in progress}
     ending = [(ends.get(run_id), run_id, devices) for run_id, devices in held.items()]
@@ -355,7 +374,7 @@ def schedule(runs: RunsSide) -> list[int]:
         policy = Policy(hosts, now)
         names = {h.pk: h.name for h in hosts}
         has_gpus = any(h.device_kind == "gpu" for h in hosts)
-        queue = list(Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False))
+        queue = list(Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).only(*QUEUED_FIELDS))
         candidates: dict[tuple[Any, ...], dict[str, list[Host]]] = {((), ()): this.ready}
         # The least device memory a ready host of each kind reports (hosts that report none hold anything).
         smallest = {
@@ -384,18 +403,27 @@ def schedule(runs: RunsSide) -> list[int]:
                     kind: [h for h in of_kind if all(h.labels.get(k) == v for k, v in wants.selector) and holds_rank(h, dict(big))]
                     for kind, of_kind in this.ready.items()
                 }  # fmt: skip
+            if this.filled * 20 > len(hosts):
+                # (The ready lists are candidates' first entry: the reservation's free devices
+                # are on hosts that stay.)
+                this.prune_full_hosts([lst for by_kind in candidates.values() for lst in by_kind.values()])
             hosts_for = candidates[key]
             shape = (need, key, tuple(kinds))
             gang = None if shape in failed else place(need, hosts_for, this.free, kinds)
             if gang is not None:
-                if this.claim(run, gang, runs):
-                    placed.append(run.pk)
-                    policy.took(run, gang[0][0].device_kind, need.total)
+                this.claim(run, gang)
+                policy.took(run, gang[0][0].device_kind, need.total)
                 continue
             failed.add(shape)
             if head is not None:
                 continue  # behind the head: it waits for room the head leaves
             head = run
+            # Every host that matches, full ones too (the candidate lists leave those out): the
+            # head waits for devices that others hold now.
+            hosts_for = {
+                kind: [h for h in of_kind if all(h.labels.get(k) == v for k, v in wants.selector) and holds_rank(h, dict(big))]
+                for kind, of_kind in this.all_ready.items()
+            }  # fmt: skip
             reason = waiting_reason(need, hosts_for, this.free, kinds)
             if wants.selector:
                 reason += f" on hosts labelled {wants.describe()}"
@@ -415,7 +443,7 @@ def schedule(runs: RunsSide) -> list[int]:
                     if device in this.free[host_id]:
                         this.free[host_id] = [d for d in this.free[host_id] if d != device]
             own_reasons[run.pk] = reason
-        this.write(runs)
+        placed = this.write(runs)
         _write_reasons(runs, queue, placed, own_reasons, head, reservation, names)
         for preempted in Run.objects.filter(status__in=ACTIVE_PLACED, preempted_by__isnull=False):
             runs.request_stop(preempted)  # until it stops: a request may be lost, or come before its agent started
@@ -423,6 +451,11 @@ def schedule(runs: RunsSide) -> list[int]:
 
 
 ACTIVE_PLACED = [Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING]
+# What a pass reads of each queued run (a queue of thousands: each JSON column costs a decode a run).
+QUEUED_FIELDS = (
+    "owner_id", "project_id", "priority", "created_at", "spec", "resume", "status", "status_reason",
+    "reservation", "rank_memory_mb", "last_seq", "launch_attempts",
+)  # fmt: skip
 
 
 def preempting_for(head: Run) -> set[int]:
@@ -474,12 +507,20 @@ def _write_reasons(
     runs: RunsSide, queue: list[Run], placed: list[int], own_reasons: dict[int, str], head: Run | None,
     reservation: Reservation | None, names: dict[int, str],
 ) -> None:  # fmt: skip
-    """Each waiting run's reason, written only where it changed: a run's own (with a `waiting`
-    event), and for the rest one shared text in one UPDATE; the head's reservation, and no other."""
+    """Each waiting run's reason, written only where it changed: the head's own (with a `waiting`
+    event), a quota's in one UPDATE for the runs it holds back, and for the rest one shared text in
+    one UPDATE; the head's reservation, and no other."""
     by_pk = {run.pk: run for run in queue}
+    quota_reasons: dict[str, list[Run]] = defaultdict(list)
     for pk, reason in own_reasons.items():
-        if by_pk[pk].status_reason != reason:
-            runs.note_waiting(by_pk[pk], reason)
+        if by_pk[pk].status_reason == reason:
+            continue
+        if reason.startswith("quota:"):
+            quota_reasons[reason].append(by_pk[pk])  # one text for many runs of one user or project
+        else:
+            runs.note_waiting(by_pk[pk], reason)  # the head's, a resumed run's: with a `waiting` event
+    for reason, waiting_runs in quota_reasons.items():
+        runs.note_waiting_many(waiting_runs, reason)
     waiting = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False)
     if head is not None:
         rest = waiting.exclude(pk__in=[*own_reasons, *placed]).exclude(status_reason=behind(head.pk))

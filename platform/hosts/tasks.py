@@ -18,8 +18,8 @@ class RunsSide:
 
     still_stopping = staticmethod(run_agents.agents_alive)
     move_to_starting = staticmethod(run_services.do_move_to_starting)
-    write_events = staticmethod(run_services.write_events)
     note_waiting = staticmethod(run_services.do_note_waiting)
+    note_waiting_many = staticmethod(run_services.do_note_waiting_many)
     preempt = staticmethod(run_services.do_preempt)
     request_stop = staticmethod(run_services.request_stop)
 

@@ -15,12 +15,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Max, QuerySet
 from django.utils import timezone
 
 from controlplane import observability
-from controlplane.events import publish_on_commit, reserve_seqs
+from controlplane.events import publish_many_on_commit, publish_on_commit, reserve_seqs
 from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
 from hosts import capacity, quotas
@@ -170,28 +170,64 @@ def do_claim_launch(run_id: int) -> bool:
     return bool(claimed)
 
 
-def do_move_to_starting(run: Run, rendezvous: str, nodes: list[dict[str, Any]]) -> list[RunEvent] | None:
-    """Moves a queued run to `starting` where placement put it (`nodes`: each node's host, address
-    and devices; its agents meet at `rendezvous`), inside the placement pass's transaction.
-    Returns its two events (`placed`, then the status), unsaved, for the pass to write with the
-    others it placed (`write_events`); None if the run moved on since it was read."""
-    # The events' run-wide numbers are reserved in the same UPDATE, which holds only if nobody
-    # numbered an event of the run since it was read (else: the next pass).
-    if not Run.objects.filter(
-        pk=run.pk, status=Run.Status.QUEUED, cancel_requested=False, last_seq=run.last_seq
-    ).update(
+def do_move_to_starting(placements: list[tuple[Run, str, list[dict[str, Any]]]]) -> list[int]:
+    """Moves queued runs to `starting` where a placement pass put them (each with the endpoint
+    its agents meet at and its nodes: host, address, devices), inside the pass's transaction, and
+    records their `placed` and status events: a lock, one UPDATE and one INSERT whatever their
+    number. A run that moved on since the pass read it (cancelled, or an event numbered) is left
+    out. Returns the runs moved."""
+    if not placements:
+        return []
+    # The rows are locked first (on SQLite the pass's IMMEDIATE transaction holds them all), so
+    # nothing moves them between the check and the UPDATE.
+    now_held = {
+        pk: (status, cancel, last_seq)
+        for pk, status, cancel, last_seq in Run.objects.select_for_update()
+        .filter(pk__in=[run.pk for run, _, _ in placements])
+        .values_list("pk", "status", "cancel_requested", "last_seq")
+    }
+    moving = [(run, endpoint, nodes) for run, endpoint, nodes in placements
+              if now_held.get(run.pk) == (Run.Status.QUEUED, False, run.last_seq)]  # fmt: skip
+    if not moving:
+        return []
+    now = timezone.now()
+    events = []
+    for run, _, nodes in moving:
+        first = run.last_seq + 1
+        events += [
+            RunEvent(run=run, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data)
+            for seq, kind, data in (
+                (first, "placed", {"nodes": nodes}),
+                (first + 1, "status", {"status": Run.Status.STARTING, "reason": ""}),
+            )
+        ]  # `starting` is no status the owner's webhooks hear of (notifications.events.RUN_EVENTS)
+    ids = [run.pk for run, _, _ in moving]
+    Run.objects.filter(pk__in=ids).update(
         status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
-        last_report_at=timezone.now(), rendezvous=rendezvous, last_seq=run.last_seq + 2,
-    ):  # fmt: skip
-        return None
-    first, now = run.last_seq + 1, timezone.now()
-    return [
-        RunEvent(run=run, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data)
-        for seq, kind, data in (
-            (first, "placed", {"nodes": nodes}),
-            (first + 1, "status", {"status": Run.Status.STARTING, "reason": ""}),
-        )
-    ]  # `starting` is no status the owner's webhooks hear of (notifications.events.RUN_EVENTS)
+        last_report_at=now, last_seq=F("last_seq") + 2,
+    )  # fmt: skip
+    # Each its own endpoint: one UPDATE from a VALUES list (PostgreSQL and SQLite ≥ 3.33 alike).
+    for chunk in range(0, len(moving), 1000):
+        part = moving[chunk : chunk + 1000]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {Run._meta.db_table} SET rendezvous = v.column2 "
+                f"FROM (VALUES {', '.join(['(%s, %s)'] * len(part))}) AS v WHERE {Run._meta.db_table}.id = v.column1",
+                [value for run, endpoint, _ in part for value in (run.pk, endpoint)],
+            )
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for event in RunEvent.objects.bulk_create(events, batch_size=1000):
+        by_group.setdefault(run_group(event.run_id), []).append(event.as_message())
+    publish_many_on_commit(by_group)
+    return ids
+
+
+def do_note_waiting_many(runs: list[Run], reason: str) -> None:
+    """One waiting reason for many queued runs (a quota's), in one UPDATE and without an event
+    each: the runs' pages read it with the row."""
+    Run.objects.filter(pk__in=[run.pk for run in runs], status=Run.Status.QUEUED).exclude(status_reason=reason).update(
+        status_reason=reason
+    )
 
 
 def do_preempt(run: Run, by: Run) -> bool:
@@ -237,12 +273,6 @@ def _requeue_stopped(run: Run, row: Mapping[str, Any], stopped: RunEvent) -> lis
     ]
     enqueue_on_commit("hosts.tasks.schedule_runs")
     return events
-
-
-def write_events(events: list[RunEvent]) -> None:
-    """Saves events built by `do_move_to_starting` in one statement, published once committed."""
-    for event in RunEvent.objects.bulk_create(events, batch_size=1000):
-        publish_on_commit(run_group(event.run_id), [event.as_message()])
 
 
 def _release_devices(run: Run) -> None:
