@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from django.conf import settings
 from django.db.models import Q
@@ -40,6 +40,24 @@ from hosts.models import DeviceClaim, Host, Quota
 from runs.models import Project, Run
 
 Share = tuple[str, int]  # ("project", id) or ("user", id)
+
+
+class Queued(Protocol):
+    """What policy reads of a queued run (a `Run`, or the scheduler's lighter tuple of one)."""
+
+    @property
+    def pk(self) -> int: ...
+    @property
+    def owner_id(self) -> int: ...
+    @property
+    def project_id(self) -> int | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def created_at(self) -> datetime: ...
+
+
+QueuedRun = TypeVar("QueuedRun", bound=Queued)
 
 
 def share_of(owner_id: int, project_id: int | None) -> Share:
@@ -107,7 +125,7 @@ class Policy:
     def _holders(owner_id: int, project_id: int | None) -> list[Share]:
         return [("user", owner_id)] + ([("project", project_id)] if project_id is not None else [])
 
-    def kinds_allowed(self, run: Run, count: int, kinds: Iterable[str]) -> tuple[list[str], str]:
+    def kinds_allowed(self, run: Queued, count: int, kinds: Iterable[str]) -> tuple[list[str], str]:
         """Of `kinds`, those in which `count` more devices keep the run's owner and project
         within their quotas; and, when none does, the reason."""
         allowed, reason = [], ""
@@ -119,7 +137,7 @@ class Policy:
                 allowed.append(kind)
         return allowed, reason
 
-    def _over(self, run: Run, kind: str, count: int) -> str:
+    def _over(self, run: Queued, kind: str, count: int) -> str:
         for holder in self._holders(run.owner_id, run.project_id):
             limit = self.limits.get(holder)
             cap = limit.of(kind) if limit else None
@@ -137,7 +155,7 @@ class Policy:
             self.project_names[project_id] = Project.objects.filter(pk=project_id).values_list("name", flat=True).first() or str(project_id)
         return repr(self.project_names[project_id])
 
-    def took(self, run: Run, kind: str, count: int) -> None:
+    def took(self, run: Queued, kind: str, count: int) -> None:
         for holder in self._holders(run.owner_id, run.project_id):
             self.held[holder][kind] += count
         self.placed[share_of(run.owner_id, run.project_id)] += count
@@ -145,11 +163,11 @@ class Policy:
     def score(self, share: Share) -> float:
         return self.use.get(share, 0.0) + self.placed[share]
 
-    def fair_order(self, queue: list[Run]) -> Iterator[Run]:
+    def fair_order(self, queue: Sequence[QueuedRun]) -> Iterator[QueuedRun]:
         """The queue as the pass offers it room: higher priority first; within a priority, the
         share with the lowest score, its oldest run. Scores are read again as the pass places
         runs (they only grow), so the order follows what was placed."""
-        levels: dict[int, dict[Share, deque[Run]]] = defaultdict(lambda: defaultdict(deque))
+        levels: dict[int, dict[Share, deque[QueuedRun]]] = defaultdict(lambda: defaultdict(deque))
         for run in sorted(queue, key=lambda r: (r.created_at, r.pk)):
             levels[run.priority][share_of(run.owner_id, run.project_id)].append(run)
         for priority in sorted(levels, reverse=True):

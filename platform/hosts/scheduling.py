@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from django.conf import settings
 from django.db import transaction
@@ -151,15 +151,16 @@ class RunsSide(Protocol):
         """A queued run's earlier agents still stop: their last events must land first."""
         ...
 
-    def move_to_starting(self, placements: list[tuple[Run, str, list[dict[str, Any]]]]) -> list[int]:
-        """The placed runs' move to `starting` (each with its rendezvous endpoint and nodes) and
-        their events, inside the pass's transaction, in a few statements whatever their number;
-        returns those that moved (not those that moved on since they were read)."""
+    def move_to_starting(self, placements: list[tuple[int, int, str, list[dict[str, Any]]]]) -> list[int]:
+        """The placed runs' move to `starting` (each: its id, the `last_seq` the pass read, its
+        rendezvous endpoint and nodes) and their events, inside the pass's transaction, in a few
+        statements whatever their number; returns those that moved (not those that moved on
+        since they were read)."""
         ...
 
     def note_waiting(self, run: Run, reason: str) -> bool: ...
 
-    def note_waiting_many(self, runs: list[Run], reason: str) -> None:
+    def note_waiting_many(self, run_ids: list[int], reason: str) -> None:
         """One reason for many queued runs, in one UPDATE and without an event each."""
         ...
 
@@ -170,6 +171,34 @@ class RunsSide(Protocol):
     def request_stop(self, run: Run) -> None:
         """Sends a preempted run's stop request again (it runs on: the request may be lost)."""
         ...
+
+
+class Queued(NamedTuple):
+    """What a pass reads of a queued run: a tuple, not a model (a queue of thousands), and of its
+    spec only what placement needs."""
+
+    pk: int
+    owner_id: int
+    project_id: int | None
+    priority: int
+    created_at: datetime
+    resume: bool
+    status_reason: str
+    last_seq: int
+    spec: dict[str, Any]  # its layout, nodes and resources
+    rank_memory_mb: dict[str, int]
+
+
+def read_queue() -> list[Queued]:
+    rows = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).values_list(
+        "pk", "owner_id", "project_id", "priority", "created_at", "resume", "status_reason", "last_seq",
+        "spec__layout", "spec__nodes", "spec__resources", "rank_memory_mb",
+    )  # fmt: skip
+    return [
+        Queued(pk, owner, project, priority, created, resume, reason, last_seq,
+               {"layout": layout or {}, "nodes": nodes or {}, "resources": resources or {}}, memory or {})  # fmt: skip
+        for pk, owner, project, priority, created, resume, reason, last_seq, layout, nodes, resources, memory in rows
+    ]
 
 
 class Pass:
@@ -195,7 +224,7 @@ class Pass:
             address, _, port = endpoint.rpartition(":")
             self.ports[address].add(port)
         self.claims: dict[int, list[DeviceClaim]] = {}
-        self.placements: list[tuple[Run, str, list[dict[str, Any]]]] = []
+        self.placements: list[tuple[int, int, str, list[dict[str, Any]]]] = []
         self.filled = 0  # hosts this pass filled since the candidate lists were last pruned
         self.all_ready = {kind: list(of_kind) for kind, of_kind in self.ready.items()}  # never pruned
 
@@ -221,20 +250,20 @@ class Pass:
             hosts[:] = [h for h in hosts if self.free[h.id]]
         self.filled = 0
 
-    def claim(self, run: Run, gang: list[tuple[Host, list[int]]]) -> None:
+    def claim(self, run: Queued, gang: list[tuple[Host, list[int]]]) -> None:
         """Gives the run its devices and rendezvous, for the pass's end to write."""
         endpoint = self.rendezvous_endpoint(gang)
         nodes = [
             {"node": node, "host": host.name, "address": host.address, "devices": devices}
             for node, (host, devices) in enumerate(gang)
         ]
-        self.placements.append((run, endpoint, nodes))
+        self.placements.append((run.pk, run.last_seq, endpoint, nodes))
         self.claims[run.pk] = []
         for node, (host, devices) in enumerate(gang):
             taken = set(devices)
-            self.free[host.pk] = [d for d in self.free[host.pk] if d not in taken]
-            self.filled += not self.free[host.pk]
-            self.claims[run.pk] += [DeviceClaim(host=host, device=device, run=run, node=node) for device in devices]
+            self.free[host.id] = [d for d in self.free[host.id] if d not in taken]
+            self.filled += not self.free[host.id]
+            self.claims[run.pk] += [DeviceClaim(host=host, device=device, run_id=run.pk, node=node) for device in devices]
 
     def write(self, runs: RunsSide) -> list[int]:
         """The placed runs' moves, claims and events; returns the runs that moved (one cancelled
@@ -374,7 +403,7 @@ def schedule(runs: RunsSide) -> list[int]:
         policy = Policy(hosts, now)
         names = {h.pk: h.name for h in hosts}
         has_gpus = any(h.device_kind == "gpu" for h in hosts)
-        queue = list(Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).only(*QUEUED_FIELDS))
+        queue = read_queue()
         candidates: dict[tuple[Any, ...], dict[str, list[Host]]] = {((), ()): this.ready}
         # The least device memory a ready host of each kind reports (hosts that report none hold anything).
         smallest = {
@@ -382,11 +411,11 @@ def schedule(runs: RunsSide) -> list[int]:
             for kind, of_kind in this.ready.items()
         }  # fmt: skip
         failed: set[tuple[Need, tuple[Any, ...], tuple[str, ...]]] = set()  # free devices only shrink in a pass
-        head: Run | None = None
+        head: Queued | None = None
         reservation: Reservation | None = None
         own_reasons: dict[int, str] = {}  # the head's, and those of runs that wait for a reason of their own
         for run in policy.fair_order(queue):
-            if run.resume and runs.still_stopping(run):
+            if run.resume and runs.still_stopping(Run.objects.get(pk=run.pk)):
                 own_reasons[run.pk] = "waiting: its previous agents are still stopping"
                 continue
             need, wants = need_of(run.spec), Wants.of(run.spec, has_gpus)
@@ -431,10 +460,12 @@ def schedule(runs: RunsSide) -> list[int]:
                 reason += f", of hosts whose devices hold one of its ranks ({', '.join(f'{gib(mb)} on a {k.upper()}' for k, mb in big)})"
             ending = _ending_runs(this, now)
             victims = preemption(run, need, kinds, hosts_for, this.free, ending)
-            for victim in victims:
-                runs.preempt(victim, run)
+            if victims:
+                head_run = Run.objects.get(pk=run.pk)
+                for victim in victims:
+                    runs.preempt(victim, head_run)
             # The runs asked to stop end first: the head holds their devices in reserve.
-            stopping = {v.pk for v in victims} | preempting_for(run)
+            stopping = {v.pk for v in victims} | preempting_for(run.pk)
             ending.sort(key=lambda e: e[1] not in stopping)
             reservation = reserve(run.pk, need, kinds, hosts_for, this.free, ending)
             if reservation is not None:
@@ -451,19 +482,14 @@ def schedule(runs: RunsSide) -> list[int]:
 
 
 ACTIVE_PLACED = [Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING]
-# What a pass reads of each queued run (a queue of thousands: each JSON column costs a decode a run).
-QUEUED_FIELDS = (
-    "owner_id", "project_id", "priority", "created_at", "spec", "resume", "status", "status_reason",
-    "reservation", "rank_memory_mb", "last_seq", "launch_attempts",
-)  # fmt: skip
 
 
-def preempting_for(head: Run) -> set[int]:
-    return set(Run.objects.filter(preempted_by=head, status__in=ACTIVE_PLACED).values_list("pk", flat=True))
+def preempting_for(head_id: int) -> set[int]:
+    return set(Run.objects.filter(preempted_by_id=head_id, status__in=ACTIVE_PLACED).values_list("pk", flat=True))
 
 
 def preemption(
-    head: Run, need: Need, kinds: Iterable[str], hosts: dict[str, list[Host]], free: dict[int, list[int]],
+    head: Queued, need: Need, kinds: Iterable[str], hosts: dict[str, list[Host]], free: dict[int, list[int]],
     ending: list[tuple[datetime | None, int, list[tuple[int, int]]]],
 ) -> list[Run]:  # fmt: skip
     """The running runs of lower priority the head asks to checkpoint and stop so that it can
@@ -481,7 +507,7 @@ def preemption(
                 freed[host_id].append(device)
         return place(need, hosts, {h: free[h] + freed.get(h, []) for h in free}, kinds) is not None
 
-    already = preempting_for(head)
+    already = preempting_for(head.pk)
     if fits(already):
         return []
     candidates = list(
@@ -504,21 +530,21 @@ def preemption(
 
 
 def _write_reasons(
-    runs: RunsSide, queue: list[Run], placed: list[int], own_reasons: dict[int, str], head: Run | None,
+    runs: RunsSide, queue: list[Queued], placed: list[int], own_reasons: dict[int, str], head: Queued | None,
     reservation: Reservation | None, names: dict[int, str],
 ) -> None:  # fmt: skip
     """Each waiting run's reason, written only where it changed: the head's own (with a `waiting`
     event), a quota's in one UPDATE for the runs it holds back, and for the rest one shared text in
     one UPDATE; the head's reservation, and no other."""
     by_pk = {run.pk: run for run in queue}
-    quota_reasons: dict[str, list[Run]] = defaultdict(list)
+    quota_reasons: dict[str, list[int]] = defaultdict(list)
     for pk, reason in own_reasons.items():
         if by_pk[pk].status_reason == reason:
             continue
         if reason.startswith("quota:"):
-            quota_reasons[reason].append(by_pk[pk])  # one text for many runs of one user or project
+            quota_reasons[reason].append(pk)  # one text for many runs of one user or project
         else:
-            runs.note_waiting(by_pk[pk], reason)  # the head's, a resumed run's: with a `waiting` event
+            runs.note_waiting(Run.objects.get(pk=pk), reason)  # the head's, a resumed run's: with a `waiting` event
     for reason, waiting_runs in quota_reasons.items():
         runs.note_waiting_many(waiting_runs, reason)
     waiting = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False)
@@ -526,8 +552,8 @@ def _write_reasons(
         rest = waiting.exclude(pk__in=[*own_reasons, *placed]).exclude(status_reason=behind(head.pk))
         rest.update(status_reason=behind(head.pk))
     held = reservation.as_json(names) if reservation is not None else {}
-    if head is not None and head.reservation != held:
-        Run.objects.filter(pk=head.pk).update(reservation=held)
+    if head is not None:
+        Run.objects.filter(pk=head.pk).exclude(reservation=held).update(reservation=held)
     others = Run.objects.exclude(reservation={})
     (others.exclude(pk=head.pk) if head is not None else others).update(reservation={})
 

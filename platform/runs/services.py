@@ -170,12 +170,12 @@ def do_claim_launch(run_id: int) -> bool:
     return bool(claimed)
 
 
-def do_move_to_starting(placements: list[tuple[Run, str, list[dict[str, Any]]]]) -> list[int]:
-    """Moves queued runs to `starting` where a placement pass put them (each with the endpoint
-    its agents meet at and its nodes: host, address, devices), inside the pass's transaction, and
-    records their `placed` and status events: a lock, one UPDATE and one INSERT whatever their
-    number. A run that moved on since the pass read it (cancelled, or an event numbered) is left
-    out. Returns the runs moved."""
+def do_move_to_starting(placements: list[tuple[int, int, str, list[dict[str, Any]]]]) -> list[int]:
+    """Moves queued runs to `starting` where a placement pass put them (each: its id, the
+    `last_seq` the pass read, the endpoint its agents meet at and its nodes: host, address,
+    devices), inside the pass's transaction, and records their `placed` and status events: a
+    lock, two UPDATEs and one INSERT whatever their number. A run that moved on since the pass
+    read it (cancelled, or an event numbered) is left out. Returns the runs moved."""
     if not placements:
         return []
     # The rows are locked first (on SQLite the pass's IMMEDIATE transaction holds them all), so
@@ -183,37 +183,36 @@ def do_move_to_starting(placements: list[tuple[Run, str, list[dict[str, Any]]]])
     now_held = {
         pk: (status, cancel, last_seq)
         for pk, status, cancel, last_seq in Run.objects.select_for_update()
-        .filter(pk__in=[run.pk for run, _, _ in placements])
+        .filter(pk__in=[run_id for run_id, _, _, _ in placements])
         .values_list("pk", "status", "cancel_requested", "last_seq")
     }
-    moving = [(run, endpoint, nodes) for run, endpoint, nodes in placements
-              if now_held.get(run.pk) == (Run.Status.QUEUED, False, run.last_seq)]  # fmt: skip
+    moving = [p for p in placements if now_held.get(p[0]) == (Run.Status.QUEUED, False, p[1])]
     if not moving:
         return []
     now = timezone.now()
     events = []
-    for run, _, nodes in moving:
-        first = run.last_seq + 1
+    for run_id, last_seq, _, nodes in moving:
         events += [
-            RunEvent(run=run, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data)
+            RunEvent(run_id=run_id, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data)
             for seq, kind, data in (
-                (first, "placed", {"nodes": nodes}),
-                (first + 1, "status", {"status": Run.Status.STARTING, "reason": ""}),
+                (last_seq + 1, "placed", {"nodes": nodes}),
+                (last_seq + 2, "status", {"status": Run.Status.STARTING, "reason": ""}),
             )
         ]  # `starting` is no status the owner's webhooks hear of (notifications.events.RUN_EVENTS)
-    ids = [run.pk for run, _, _ in moving]
+    ids = [run_id for run_id, _, _, _ in moving]
     Run.objects.filter(pk__in=ids).update(
         status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
         last_report_at=now, last_seq=F("last_seq") + 2,
     )  # fmt: skip
     # Each its own endpoint: one UPDATE from a VALUES list (PostgreSQL and SQLite ≥ 3.33 alike).
+    table = Run._meta.db_table
     for chunk in range(0, len(moving), 1000):
         part = moving[chunk : chunk + 1000]
         with connection.cursor() as cursor:
             cursor.execute(
-                f"UPDATE {Run._meta.db_table} SET rendezvous = v.column2 "
-                f"FROM (VALUES {', '.join(['(%s, %s)'] * len(part))}) AS v WHERE {Run._meta.db_table}.id = v.column1",
-                [value for run, endpoint, _ in part for value in (run.pk, endpoint)],
+                f"UPDATE {table} SET rendezvous = v.column2 FROM (VALUES {', '.join(['(%s, %s)'] * len(part))}) AS v "
+                f"WHERE {table}.id = v.column1",
+                [value for run_id, _, endpoint, _ in part for value in (run_id, endpoint)],
             )
     by_group: dict[str, list[dict[str, Any]]] = {}
     for event in RunEvent.objects.bulk_create(events, batch_size=1000):
@@ -222,12 +221,10 @@ def do_move_to_starting(placements: list[tuple[Run, str, list[dict[str, Any]]]])
     return ids
 
 
-def do_note_waiting_many(runs: list[Run], reason: str) -> None:
+def do_note_waiting_many(run_ids: list[int], reason: str) -> None:
     """One waiting reason for many queued runs (a quota's), in one UPDATE and without an event
     each: the runs' pages read it with the row."""
-    Run.objects.filter(pk__in=[run.pk for run in runs], status=Run.Status.QUEUED).exclude(status_reason=reason).update(
-        status_reason=reason
-    )
+    Run.objects.filter(pk__in=run_ids, status=Run.Status.QUEUED).exclude(status_reason=reason).update(status_reason=reason)
 
 
 def do_preempt(run: Run, by: Run) -> bool:
