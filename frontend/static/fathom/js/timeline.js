@@ -23,6 +23,8 @@ const IMPORTANCE = {
   cancel_requested: "warn",
   cancelled: "warn",
   stopped: "warn",
+  preempt_requested: "warn",
+  preempted: "warn",
   checkpoint: "info",
   exported: "info",
   checkpoint_pruned: "plain",
@@ -69,6 +71,10 @@ export function describe(e) {
       ];
     case "cancel_requested":
       return ["Cancel requested", ""];
+    case "preempt_requested":
+      return ["Preemption asked", `run ${e.by} (priority ${e.priority}) needs its devices: checkpointing the step its ranks agree on`];
+    case "preempted":
+      return ["Preempted", `by run ${e.by}${e.step != null ? `; resumes from step ${e.step}` : ""}`];
     case "stopped":
       return ["Job stopped", `${e.reason ?? ""}${e.step != null ? `, last checkpoint step ${e.step}` : ""}`];
     case "cancelled":
