@@ -118,8 +118,12 @@ def filter_runs(runs: QuerySet[Run], params: QueryDict) -> QuerySet[Run]:
         if len(search) > MAX_SEARCH:
             raise InvalidInput("search", f"at most {MAX_SEARCH} characters; got {len(search)}")
         runs = runs.filter(Q(name__icontains=search) | Q(note__icontains=search))
-    for tag in _values(params, "tag"):
-        runs = runs.filter(tags__name=check_tag(tag, "tag"))
+    tags = sorted({check_tag(tag, "tag") for tag in _values(params, "tag")})
+    if len(tags) > MAX_TAGS:
+        # (Each is a join: SQLite refuses more than 64 tables in one, and no run could match.)
+        raise InvalidInput("tag", f"a run has at most {MAX_TAGS} tags, so at most {MAX_TAGS} filter runs; got {len(tags)}")
+    for tag in tags:
+        runs = runs.filter(tags__name=tag)
     if statuses := _values(params, "status"):
         unknown = [s for s in statuses if s not in Run.Status.values]
         if unknown:
