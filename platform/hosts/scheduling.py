@@ -136,10 +136,24 @@ def waiting_reason(need: Need, hosts: dict[str, list[Host]], free: dict[int, lis
 
 
 def behind(head_id: int) -> str:
-    """The reason of every run that does not fit behind the head of the queue: one text, so a
-    queue of thousands is one UPDATE when it forms and none while it stays (the head, and a run
-    over its quota, name their own reasons)."""
+    """The reason of every run that waits behind the head of the queue and has none of its own
+    (the head, a run over its quota, name theirs). It is not stored: a queue of thousands would
+    cost as many row writes whenever the head changes. `shown_reason` says it when a run is read."""
     return f"waiting: behind run {head_id} at the head of the queue; the devices it leaves free do not fit this run"
+
+
+def queue_head() -> int | None:
+    """The run at the head of the queue: the queued run that holds a reservation (the pass gives
+    the head one, with no devices in it if it waits for hosts, and clears every other's)."""
+    return Run.objects.filter(status=Run.Status.QUEUED).exclude(reservation={}).values_list("pk", flat=True).first()
+
+
+def shown_reason(status: str, stored: str, head: int | None) -> str:
+    """A run's reason as pages and the API show it: its own, or for a queued run without one,
+    that it waits behind the head (`head`: `queue_head()`, read once for many runs)."""
+    if stored or status != Run.Status.QUEUED or head is None:
+        return stored
+    return behind(head)
 
 
 class RunsSide(Protocol):
@@ -187,17 +201,18 @@ class Queued(NamedTuple):
     last_seq: int
     spec: dict[str, Any]  # its layout, nodes and resources
     rank_memory_mb: dict[str, int]
+    reservation: dict[str, Any]
 
 
 def read_queue() -> list[Queued]:
     rows = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).values_list(
         "pk", "owner_id", "project_id", "priority", "created_at", "resume", "status_reason", "last_seq",
-        "spec__layout", "spec__nodes", "spec__resources", "rank_memory_mb",
+        "spec__layout", "spec__nodes", "spec__resources", "rank_memory_mb", "reservation",
     )  # fmt: skip
     return [
         Queued(pk, owner, project, priority, created, resume, reason, last_seq,
-               {"layout": layout or {}, "nodes": nodes or {}, "resources": resources or {}}, memory or {})  # fmt: skip
-        for pk, owner, project, priority, created, resume, reason, last_seq, layout, nodes, resources, memory in rows
+               {"layout": layout or {}, "nodes": nodes or {}, "resources": resources or {}}, memory or {}, held or {})  # fmt: skip
+        for pk, owner, project, priority, created, resume, reason, last_seq, layout, nodes, resources, memory, held in rows
     ]
 
 
@@ -533,29 +548,32 @@ def _write_reasons(
     runs: RunsSide, queue: list[Queued], placed: list[int], own_reasons: dict[int, str], head: Queued | None,
     reservation: Reservation | None, names: dict[int, str],
 ) -> None:  # fmt: skip
-    """Each waiting run's reason, written only where it changed: the head's own (with a `waiting`
-    event), a quota's in one UPDATE for the runs it holds back, and for the rest one shared text in
-    one UPDATE; the head's reservation, and no other."""
-    by_pk = {run.pk: run for run in queue}
-    quota_reasons: dict[str, list[int]] = defaultdict(list)
-    for pk, reason in own_reasons.items():
-        if by_pk[pk].status_reason == reason:
+    """Each waiting run's reason and reservation, decided here from what the pass read and
+    written only where they change (a pass that changes nothing writes nothing): the head's
+    reason with a `waiting` event, and its reservation (a head that holds nothing has an empty
+    one, which still marks it); a quota's reason in one UPDATE for the runs it holds back. The
+    runs behind the head store none (`shown_reason`)."""
+    moved = set(placed)
+    texts: dict[str, list[int]] = defaultdict(list)
+    for run in queue:
+        if run.pk in moved:
             continue
-        if reason.startswith("quota:"):
-            quota_reasons[reason].append(pk)  # one text for many runs of one user or project
+        reason = own_reasons.get(run.pk, "")  # none of its own: behind the head (`shown_reason`)
+        if reason == run.status_reason:
+            continue
+        if head is not None and run.pk == head.pk or reason.startswith("waiting: its previous agents"):
+            runs.note_waiting(Run.objects.get(pk=run.pk), reason)  # with a `waiting` event
         else:
-            runs.note_waiting(Run.objects.get(pk=pk), reason)  # the head's, a resumed run's: with a `waiting` event
-    for reason, waiting_runs in quota_reasons.items():
-        runs.note_waiting_many(waiting_runs, reason)
-    waiting = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False)
-    if head is not None:
-        rest = waiting.exclude(pk__in=[*own_reasons, *placed]).exclude(status_reason=behind(head.pk))
-        rest.update(status_reason=behind(head.pk))
-    held = reservation.as_json(names) if reservation is not None else {}
-    if head is not None:
-        Run.objects.filter(pk=head.pk).exclude(reservation=held).update(reservation=held)
-    others = Run.objects.exclude(reservation={})
-    (others.exclude(pk=head.pk) if head is not None else others).update(reservation={})
+            texts[reason].append(run.pk)  # a quota's, or the one behind the head
+    for reason, run_ids in texts.items():
+        runs.note_waiting_many(run_ids, reason)
+    held = reservation.as_json(names) if reservation is not None else {"devices": [], "until": [], "expected_at": None}
+    # Only queued runs hold a reservation (a placed one's is cleared as it moves to starting).
+    stale = [run.pk for run in queue if run.reservation and (head is None or run.pk != head.pk) and run.pk not in moved]
+    if stale:
+        Run.objects.filter(pk__in=stale).update(reservation={})
+    if head is not None and head.reservation != held:
+        Run.objects.filter(pk=head.pk).update(reservation=held)
 
 
 @dataclass(frozen=True)

@@ -145,12 +145,14 @@ class QueueView(APIView):
     def get(self, request: Request) -> Response:
         entries = scheduling.queue_order()
         visible = set(access.visible_runs(request.user).filter(status="queued").values_list("pk", flat=True))
+        head = scheduling.queue_head()
         rows = [
             {
                 "position": e["position"], "id": e["run"].pk, "name": e["run"].name if e["run"].pk in visible else None,
                 "owner": e["run"].owner.username, "project": e["run"].project_id, "priority": e["run"].priority,
                 "share": e["share"], "share_recent_slots": e["share_recent_slots"], "needs": e["needs"],
-                "status_reason": e["run"].status_reason, "reservation": e["run"].reservation, "created_at": e["run"].created_at,
+                "status_reason": scheduling.shown_reason(e["run"].status, e["run"].status_reason, head),
+                "reservation": e["run"].reservation, "created_at": e["run"].created_at,
             }
             for e in entries
         ]  # fmt: skip

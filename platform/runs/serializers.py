@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from drf_spectacular.utils import extend_schema_field, inline_serializer
 from rest_framework import serializers
 
 from controlplane.api import ModelSerializer, Text
+from hosts import scheduling
 from runs import access, compare, datasets, organise, services, specs
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, QuantizedExport, Run, RunEvent
 from serving.quantize import folder_size
@@ -161,6 +162,17 @@ class RunSerializer(ModelSerializer):
             "priority": {"help_text": "Higher goes first in the queue; at most your ceiling (staff set it, /api/quota/)."},
             "reservation": {"help_text": "At the head of the queue: the devices held for it, the runs whose end it waits for, and when."},
         }
+
+    def to_representation(self, instance: Run) -> dict[str, Any]:
+        data = super().to_representation(instance)
+        if data.get("status") == Run.Status.QUEUED and not data.get("status_reason"):
+            # Behind the head of the queue: not stored (hosts.scheduling.shown_reason); the head
+            # is read once for a list.
+            shared = cast(dict[str, Any], self.context)  # the list's serializers share it
+            if "queue_head" not in shared:
+                shared["queue_head"] = scheduling.queue_head()
+            data["status_reason"] = scheduling.shown_reason(data["status"], "", shared["queue_head"])
+        return data
 
     def get_fields(self) -> dict[str, Any]:
         fields = super().get_fields()

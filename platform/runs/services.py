@@ -202,7 +202,7 @@ def do_move_to_starting(placements: list[tuple[int, int, str, list[dict[str, Any
     ids = [run_id for run_id, _, _, _ in moving]
     Run.objects.filter(pk__in=ids).update(
         status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
-        last_report_at=now, last_seq=F("last_seq") + 2,
+        last_report_at=now, last_seq=F("last_seq") + 2, reservation={},
     )  # fmt: skip
     # Each its own endpoint: one UPDATE from a VALUES list (PostgreSQL and SQLite ≥ 3.33 alike).
     table = Run._meta.db_table

@@ -138,7 +138,9 @@ def test_the_head_reserves_and_smaller_runs_backfill_only_around_it(alice, alice
     assert len(reserved) == 4 and {d.split(":")[0] for d in reserved} == {"a", "b"}
     # The small runs took only what the head does not hold: the free GPU outside its reservation.
     assert placed == [small[0]] and placed_on(small[0]) == ["c:0"]
-    assert Run.objects.get(pk=small[-1]).status_reason.startswith(f"waiting: behind run {head} at the head of the queue")
+    shown = alice_api.get(f"/api/runs/{small[-1]}/").json()["status_reason"]
+    assert shown.startswith(f"waiting: behind run {head} at the head of the queue")
+    assert Run.objects.get(pk=small[-1]).status_reason == ""  # said when read, not stored run by run
     # The long run ends: the head starts at once, on what it held.
     services.do_set_status(Run.objects.get(pk=running), Run.Status.SUCCEEDED)
     assert head in schedule(RUNS_SIDE)

@@ -36,7 +36,7 @@ function reasonCell(entry) {
     "td",
     { "data-label": "Why it waits" },
     entry.status_reason || "–",
-    held ? h("div", { class: "muted reservation" }, `Holds in reserve: ${held.join(", ")}${when}`) : null,
+    held?.length ? h("div", { class: "muted reservation" }, `Holds in reserve: ${held.join(", ")}${when}`) : null,
   );
 }
 
