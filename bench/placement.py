@@ -183,11 +183,12 @@ def main() -> None:
     claims = list(DeviceClaim.objects.values_list("host_id", "device"))
     sizes = {h.pk: len(h.devices) for h in hosts}
     double_booked = len(claims) - len(set(claims)) + sum(1 for host, device in claims if device >= sizes[host])
-    waiting = Run.objects.filter(status="queued").exclude(status_reason="").count()
+    waiting = Run.objects.filter(status="queued").count()
     held = Counter(DeviceClaim.objects.filter(run__owner__in=limited).values_list("run__owner_id", flat=True))
     quota_violations = sum(1 for count in held.values() if count > QUOTA_GPUS)
     at_quota = Run.objects.filter(status="queued", status_reason__startswith="quota:").count()
-    print(f"claimed {len(claims)} of {devices} devices; {waiting} runs waiting with a reason, {at_quota} of them at their quota; "
+    print(f"claimed {len(claims)} of {devices} devices; {waiting} runs waiting: {at_quota} at their quota, one at the head, "
+          "the rest behind it; "
           f"most GPUs one limited user holds: {max(held.values(), default=0)} of {QUOTA_GPUS}")  # fmt: skip
 
     # The runs the head's reservation waits for end (their claims go); the next pass must start it.

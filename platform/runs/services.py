@@ -173,25 +173,32 @@ def do_claim_launch(run_id: int) -> bool:
 def do_move_to_starting(placements: list[tuple[int, int, str, list[dict[str, Any]]]]) -> list[int]:
     """Moves queued runs to `starting` where a placement pass put them (each: its id, the
     `last_seq` the pass read, the endpoint its agents meet at and its nodes: host, address,
-    devices), inside the pass's transaction, and records their `placed` and status events: a
-    lock, two UPDATEs and one INSERT whatever their number. A run that moved on since the pass
-    read it (cancelled, or an event numbered) is left out. Returns the runs moved."""
-    if not placements:
-        return []
-    # The rows are locked first (on SQLite the pass's IMMEDIATE transaction holds them all), so
-    # nothing moves them between the check and the UPDATE.
-    now_held = {
-        pk: (status, cancel, last_seq)
-        for pk, status, cancel, last_seq in Run.objects.select_for_update()
-        .filter(pk__in=[run_id for run_id, _, _, _ in placements])
-        .values_list("pk", "status", "cancel_requested", "last_seq")
-    }
-    moving = [p for p in placements if now_held.get(p[0]) == (Run.Status.QUEUED, False, p[1])]
-    if not moving:
-        return []
+    devices), inside the pass's transaction, and records their `placed` and status events: one
+    UPDATE and one INSERT whatever their number. A run that moved on since the pass read it
+    (cancelled, or an event numbered) is left out. Returns the runs moved."""
     now = timezone.now()
+    table = Run._meta.db_table
+    moved: set[int] = set()
+    for chunk in range(0, len(placements), 1000):
+        part = placements[chunk : chunk + 1000]
+        # Each run its own endpoint and expected last_seq, from one VALUES list; the conditions
+        # hold under the row locks the UPDATE takes (PostgreSQL and SQLite ≥ 3.35 alike).
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} SET status = %s, status_reason = '', launch_attempts = launch_attempts + 1, "
+                f"last_report_at = %s, last_seq = last_seq + 2, reservation = %s, rendezvous = v.column2 "
+                f"FROM (VALUES {', '.join(['(%s, %s, %s)'] * len(part))}) AS v "
+                f"WHERE {table}.id = v.column1 AND {table}.status = %s AND NOT {table}.cancel_requested "
+                f"AND {table}.last_seq = v.column3 RETURNING {table}.id",
+                [Run.Status.STARTING, connection.ops.adapt_datetimefield_value(now), "{}",
+                 *(value for run_id, last_seq, endpoint, _ in part for value in (run_id, endpoint, last_seq)),
+                 Run.Status.QUEUED],
+            )  # fmt: skip
+            moved.update(row[0] for row in cursor.fetchall())
     events = []
-    for run_id, last_seq, _, nodes in moving:
+    for run_id, last_seq, _, nodes in placements:
+        if run_id not in moved:
+            continue
         events += [
             RunEvent(run_id=run_id, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data)
             for seq, kind, data in (
@@ -199,26 +206,11 @@ def do_move_to_starting(placements: list[tuple[int, int, str, list[dict[str, Any
                 (last_seq + 2, "status", {"status": Run.Status.STARTING, "reason": ""}),
             )
         ]  # `starting` is no status the owner's webhooks hear of (notifications.events.RUN_EVENTS)
-    ids = [run_id for run_id, _, _, _ in moving]
-    Run.objects.filter(pk__in=ids).update(
-        status=Run.Status.STARTING, status_reason="", launch_attempts=F("launch_attempts") + 1,
-        last_report_at=now, last_seq=F("last_seq") + 2, reservation={},
-    )  # fmt: skip
-    # Each its own endpoint: one UPDATE from a VALUES list (PostgreSQL and SQLite ≥ 3.33 alike).
-    table = Run._meta.db_table
-    for chunk in range(0, len(moving), 1000):
-        part = moving[chunk : chunk + 1000]
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f"UPDATE {table} SET rendezvous = v.column2 FROM (VALUES {', '.join(['(%s, %s)'] * len(part))}) AS v "
-                f"WHERE {table}.id = v.column1",
-                [value for run_id, _, endpoint, _ in part for value in (run_id, endpoint)],
-            )
     by_group: dict[str, list[dict[str, Any]]] = {}
     for event in RunEvent.objects.bulk_create(events, batch_size=1000):
         by_group.setdefault(run_group(event.run_id), []).append(event.as_message())
     publish_many_on_commit(by_group)
-    return ids
+    return [run_id for run_id, _, _, _ in placements if run_id in moved]
 
 
 def do_note_waiting_many(run_ids: list[int], reason: str) -> None:
