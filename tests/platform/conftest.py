@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -171,12 +172,28 @@ def purge_broker() -> None:
 
 
 class CeleryWorker:
-    def __init__(self, log: Path, public_url: str, beat: bool = False, env: dict[str, str] | None = None) -> None:
+    """A real Celery worker. `supervised`: started again whenever it exits by itself, as
+    docker-compose's restart policy does (kombu's Redis transport can end the worker with an
+    "Unrecoverable error" when the broker restarts while a message is unacknowledged)."""
+
+    def __init__(
+        self, log: Path, public_url: str, beat: bool = False, env: dict[str, str] | None = None, supervised: bool = False
+    ) -> None:
         self.log = log
         self.public_url = public_url
         self.beat = beat
         self.env = env or {}
         self.process: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        if supervised:
+            threading.Thread(target=self._supervise, name="worker-supervisor", daemon=True).start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(1):
+            if self.process is not None and self.process.poll() is not None and not self._stopping.is_set():
+                with self.log.open("a") as out:
+                    out.write(f"\n[supervisor] the worker exited with {self.process.returncode}; starting it again\n")
+                self.start()
 
     def start(self) -> None:
         # With beat, periodic tasks run as in production, on short intervals so tests stay quick.
@@ -200,6 +217,7 @@ class CeleryWorker:
         self.process.wait()
 
     def stop(self) -> None:
+        self._stopping.set()
         if self.process is not None:
             stop(self.process)
 

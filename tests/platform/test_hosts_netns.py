@@ -92,7 +92,7 @@ def running_cluster(
             )  # fmt: skip
         processes.append(web)
         wait_for_http(f"{url}/login/", process=web)
-        worker = CeleryWorker(tmp_path / "worker.log", url, beat=True)
+        worker = CeleryWorker(tmp_path / "worker.log", url, beat=True, supervised=True)  # as compose restarts it
         worker.start()
         stoppers.append(worker.stop)
         hosts = []
