@@ -32,7 +32,8 @@ from training.ports import REPLICA_PORTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-STREAM_TOKENS = 300  # long enough that all 20 streams are mid-flight when a replica is killed
+STREAM_TOKENS = 1000  # long enough that all 20 streams are mid-flight when a replica is killed (300 were whole in
+# the client's socket buffers before it saw them start, on a loaded machine: no stream was cut)
 # What parity is checked on: greedy completions and prompt logprobs of these.
 PARITY_PROMPTS = [
     "the cat sees",
