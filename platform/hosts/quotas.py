@@ -205,14 +205,6 @@ def recent_use(now: datetime) -> dict[Share, float]:
     return dict(use)
 
 
-def fair_share_table(now: datetime) -> list[dict[str, Any]]:
-    """Each share's recent use, least first, as the queue page shows it."""
-    use = recent_use(now)
-    return [{"share": f"{kind} {pk}", "kind": kind, "id": pk, "recent_slots": round(value, 3)}
-            for (kind, pk), value in sorted(use.items(), key=lambda item: item[1])]  # fmt: skip
-
-
-
 def _usage(holder: Share, kind_of: dict[int, str]) -> dict[str, dict[str, int | None]]:
     runs = Run.objects.filter(project_id=holder[1]) if holder[0] == "project" else Run.objects.filter(owner_id=holder[1])
     held: Counter[str] = Counter()
@@ -229,8 +221,9 @@ def _usage(holder: Share, kind_of: dict[int, str]) -> dict[str, dict[str, int | 
 def quota_of(user: Any, projects: Iterable[Project]) -> dict[str, Any]:
     """What `user` may submit and hold, and holds now; and the same of those of `projects` that
     have a quota (with whether their runs may be preempted)."""
+    projects = list(projects)  # (a QuerySet would be read twice)
     kind_of = {h.pk: h.device_kind for h in Host.objects.all()}
-    limited = {q.project_id: q for q in Quota.objects.filter(project__in=list(projects))}
+    limited = {q.project_id: q for q in Quota.objects.filter(project__in=projects)}
     return {
         "priority_ceiling": priority_ceiling(user),
         "user": _usage(("user", user.pk), kind_of),

@@ -396,6 +396,18 @@ def _ending_runs(this: Pass, now: datetime) -> list[tuple[datetime | None, int, 
     return sorted(ending, key=lambda e: (e[0] is None, e[0] or now, e[1]))
 
 
+def matching(
+    by_kind: dict[str, list[Host]], selector: tuple[tuple[str, str], ...], memory: tuple[tuple[str, int], ...]
+) -> dict[str, list[Host]]:
+    """Of `by_kind`, the hosts whose labels match `selector` and whose devices hold a rank that
+    needs `memory` ((kind, MB) pairs)."""
+    need = dict(memory)
+    return {
+        kind: [h for h in hosts if all(h.labels.get(k) == v for k, v in selector) and holds_rank(h, need)]
+        for kind, hosts in by_kind.items()
+    }
+
+
 def schedule(runs: RunsSide) -> list[int]:
     """One placement pass; returns the runs placed (moved to `starting`), whose start tasks the
     caller sends.
@@ -443,10 +455,7 @@ def schedule(runs: RunsSide) -> list[int]:
             big = tuple(sorted((k, mb) for k, mb in memory.items() if mb > smallest.get(k, 2**62) and k in kinds))
             key = (wants.selector, big)
             if key not in candidates:
-                candidates[key] = {
-                    kind: [h for h in of_kind if all(h.labels.get(k) == v for k, v in wants.selector) and holds_rank(h, dict(big))]
-                    for kind, of_kind in this.ready.items()
-                }  # fmt: skip
+                candidates[key] = matching(this.ready, wants.selector, big)
             if this.filled * 20 > len(hosts):
                 # (The ready lists are candidates' first entry: the reservation's free devices
                 # are on hosts that stay.)
@@ -464,10 +473,7 @@ def schedule(runs: RunsSide) -> list[int]:
             head = run
             # Every host that matches, full ones too (the candidate lists leave those out): the
             # head waits for devices that others hold now.
-            hosts_for = {
-                kind: [h for h in of_kind if all(h.labels.get(k) == v for k, v in wants.selector) and holds_rank(h, dict(big))]
-                for kind, of_kind in this.all_ready.items()
-            }  # fmt: skip
+            hosts_for = matching(this.all_ready, wants.selector, big)
             reason = waiting_reason(need, hosts_for, this.free, kinds)
             if wants.selector:
                 reason += f" on hosts labelled {wants.describe()}"
