@@ -9,6 +9,7 @@ on from the last `seq` they hold (`events_after`).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -35,7 +36,12 @@ class Event(models.Model):
 
     def as_message(self) -> dict[str, Any]:
         """The event as websocket clients and pages read it: its data's keys at the top level."""
-        return {"seq": self.seq, "kind": self.kind, "time": self.time.timestamp(), **self.message_fields(), **self.data}
+        return self.message(self.seq, self.kind, self.time, self.data, **self.message_fields())
+
+    @staticmethod
+    def message(seq: int, kind: str, time: datetime, data: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        """`as_message` of an event written without a model instance (`controlplane.bulk`)."""
+        return {"seq": seq, "kind": kind, "time": time.timestamp(), **fields, **data}
 
 
 def reserve_seqs(model: type[models.Model], pk: int, count: int, **also: Any) -> int:

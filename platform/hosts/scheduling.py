@@ -16,19 +16,24 @@ labels match its selector (`resources.labels`). A placement is `DeviceClaim` row
 from __future__ import annotations
 
 import functools
+import heapq
+import json
 import random
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, Protocol
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import F
+from django.db import connection, transaction
+from django.db.models import F, TextField
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast
 from django.utils import timezone
 
+from controlplane.bulk import insert_rows
 from hosts import capacity
 from hosts.capacity import KINDS, Need, devices_word, gib, holds_rank, need_of, release, wanted_kinds
 from hosts.models import DeviceClaim, Host
@@ -99,20 +104,27 @@ def place(
     hold a node, the host with the fewest free devices is taken (best fit), so large holes stay
     for large runs. The `kinds` are tried in order (GPU hosts before CPU hosts)."""
     # (`id`, a plain attribute, not `pk`, a property: this runs for every host for every run.)
+    per_node = need.per_node
     for kind in kinds:
-        left = {h.id: free[h.id] for h in hosts.get(kind, []) if len(free[h.id]) >= need.per_node}
-        if sum(len(devices) // need.per_node for devices in left.values()) < need.nodes:
+        fits = [(count, h.name, h) for h in hosts.get(kind, ()) if (count := len(free[h.id])) >= per_node]
+        if len(fits) >= need.nodes:
+            # Enough hosts for one node each: the best fits, fewest free devices first (names
+            # are unique, so hosts themselves are never compared).
+            return [(h, free[h.id][:per_node]) for _, _, h in heapq.nsmallest(need.nodes, fits)]
+        if sum(count // per_node for count, _, _ in fits) < need.nodes:
             continue
-        by_id = {h.id: h for h in hosts[kind] if h.id in left}
+        # Fewer hosts than nodes: each host once, best fit first, then again where room is left.
+        left = {h.id: free[h.id] for _, _, h in fits}
+        by_id = {h.id: h for _, _, h in fits}
         gang: list[tuple[Host, list[int]]] = []
         used: set[int] = set()
         for _ in range(need.nodes):
             chosen = min(
-                (i for i, devices in left.items() if len(devices) >= need.per_node),
+                (i for i, devices in left.items() if len(devices) >= per_node),
                 key=lambda i: (i in used, len(left[i]), by_id[i].name),
             )
-            gang.append((by_id[chosen], left[chosen][: need.per_node]))
-            left[chosen] = left[chosen][need.per_node :]
+            gang.append((by_id[chosen], left[chosen][:per_node]))
+            left[chosen] = left[chosen][per_node:]
             used.add(chosen)
         return gang
     return None
@@ -174,8 +186,9 @@ class RunsSide(Protocol):
 
     def note_waiting(self, run: Run, reason: str) -> bool: ...
 
-    def note_waiting_many(self, run_ids: list[int], reason: str) -> None:
-        """One reason for many queued runs, in one UPDATE and without an event each."""
+    def note_waiting_many(self, reasons: Mapping[str, list[int]]) -> None:
+        """Reasons of many queued runs (each: the runs it holds back), in one UPDATE and
+        without an event each."""
         ...
 
     def preempt(self, run: Run, by: Run) -> bool:
@@ -205,15 +218,26 @@ class Queued(NamedTuple):
 
 
 def read_queue() -> list[Queued]:
+    # The JSON columns come as text and each distinct text is parsed once (`_parsed`): a queue of
+    # thousands has a few dozen layouts, and decoding every row's five fields was most of a pass.
+    text = functools.partial(Cast, output_field=TextField())
     rows = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).values_list(
         "pk", "owner_id", "project_id", "priority", "created_at", "resume", "status_reason", "last_seq",
-        "spec__layout", "spec__nodes", "spec__resources", "rank_memory_mb", "reservation",
+        KT("spec__layout"), KT("spec__nodes"), KT("spec__resources"), text("rank_memory_mb"), text("reservation"),
     )  # fmt: skip
     return [
         Queued(pk, owner, project, priority, created, resume, reason, last_seq,
-               {"layout": layout or {}, "nodes": nodes or {}, "resources": resources or {}}, memory or {}, held or {})  # fmt: skip
+               {"layout": _parsed(layout), "nodes": _parsed(nodes), "resources": _parsed(resources)},
+               _parsed(memory), _parsed(held))  # fmt: skip
         for pk, owner, project, priority, created, resume, reason, last_seq, layout, nodes, resources, memory, held in rows
     ]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(text: str | None) -> Any:
+    """A JSON text's value ({} for none). Shared by every run whose field reads the same: readers
+    of a `Queued` never change what it holds."""
+    return json.loads(text) if text else {}
 
 
 class Pass:
@@ -238,7 +262,7 @@ class Pass:
         ):
             address, _, port = endpoint.rpartition(":")
             self.ports[address].add(port)
-        self.claims: dict[int, list[DeviceClaim]] = {}
+        self.claims: dict[int, list[tuple[int, int, int]]] = {}  # per run placed: (host id, device, node)
         self.placements: list[tuple[int, int, str, list[dict[str, Any]]]] = []
         self.filled = 0  # hosts this pass filled since the candidate lists were last pruned
         self.all_ready = {kind: list(of_kind) for kind, of_kind in self.ready.items()}  # never pruned
@@ -278,14 +302,18 @@ class Pass:
             taken = set(devices)
             self.free[host.id] = [d for d in self.free[host.id] if d not in taken]
             self.filled += not self.free[host.id]
-            self.claims[run.pk] += [DeviceClaim(host=host, device=device, run_id=run.pk, node=node) for device in devices]
+            self.claims[run.pk] += [(host.id, device, node) for device in devices]
 
     def write(self, runs: RunsSide) -> list[int]:
         """The placed runs' moves, claims and events; returns the runs that moved (one cancelled
         since the pass read it keeps no claim, and its devices are free for the next pass)."""
         moved = runs.move_to_starting(self.placements)
+        now = connection.ops.adapt_datetimefield_value(timezone.now())
         # The unique (host, device) constraint refuses a device given twice right here.
-        DeviceClaim.objects.bulk_create([c for run_id in moved for c in self.claims[run_id]], batch_size=1000)
+        insert_rows(
+            DeviceClaim, ["host", "device", "run", "node", "claimed_at"],
+            ((host_id, device, run_id, node, now) for run_id in moved for host_id, device, node in self.claims[run_id]),
+        )  # fmt: skip
         return moved
 
 
@@ -389,7 +417,7 @@ def _ending_runs(this: Pass, now: datetime) -> list[tuple[datetime | None, int, 
     for run_id, host_id, device in DeviceClaim.objects.filter(run__isnull=False).values_list("run_id", "host_id", "device"):
         held[run_id].append((host_id, device))
     for run_id, claims in this.claims.items():
-        held[run_id] += [(claim.host_id, claim.device) for claim in claims]
+        held[run_id] += [(host_id, device) for host_id, device, _ in claims]
     progress = Run.objects.filter(pk__in=list(held)).values_list("pk", "started_at", "step", "spec__train__steps")
     ends = {pk: expected_end(started, step or 0, int(steps or 0), now) for pk, started, step, steps in progress}
     ending = [(ends.get(run_id), run_id, devices) for run_id, devices in held.items()]
@@ -571,8 +599,7 @@ def _write_reasons(
             runs.note_waiting(Run.objects.get(pk=run.pk), reason)  # with a `waiting` event
         else:
             texts[reason].append(run.pk)  # a quota's, or the one behind the head
-    for reason, run_ids in texts.items():
-        runs.note_waiting_many(run_ids, reason)
+    runs.note_waiting_many(texts)
     held = reservation.as_json(names) if reservation is not None else {"devices": [], "until": [], "expected_at": None}
     # Only queued runs hold a reservation (a placed one's is cleared as it moves to starting).
     stale = [run.pk for run in queue if run.reservation and (head is None or run.pk != head.pk) and run.pk not in moved]

@@ -8,6 +8,7 @@ transaction commits, so a websocket never shows what the database does not hold.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F, Max, QuerySet
+from django.db.models import Case, F, Max, QuerySet, Value, When
 from django.utils import timezone
 
 from controlplane import observability
+from controlplane.bulk import insert_rows
 from controlplane.events import publish_many_on_commit, publish_on_commit, reserve_seqs
 from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
@@ -195,28 +197,35 @@ def do_move_to_starting(placements: list[tuple[int, int, str, list[dict[str, Any
                  Run.Status.QUEUED],
             )  # fmt: skip
             moved.update(row[0] for row in cursor.fetchall())
-    events = []
-    for run_id, last_seq, _, nodes in placements:
-        if run_id not in moved:
-            continue
-        events += [
-            RunEvent(run_id=run_id, seq=seq, source=CONTROL_SOURCE, source_seq=seq, kind=kind, time=now, data=data)
-            for seq, kind, data in (
-                (last_seq + 1, "placed", {"nodes": nodes}),
-                (last_seq + 2, "status", {"status": Run.Status.STARTING, "reason": ""}),
-            )
-        ]  # `starting` is no status the owner's webhooks hear of (notifications.events.RUN_EVENTS)
+    # `starting` is no status the owner's webhooks hear of (notifications.events.RUN_EVENTS).
+    events = [
+        (run_id, seq, kind, data)
+        for run_id, last_seq, _, nodes in placements if run_id in moved
+        for seq, kind, data in (
+            (last_seq + 1, "placed", {"nodes": nodes}),
+            (last_seq + 2, "status", {"status": Run.Status.STARTING, "reason": ""}),
+        )
+    ]  # fmt: skip
+    stored_at = connection.ops.adapt_datetimefield_value(now)
+    insert_rows(
+        RunEvent, ["run", "seq", "source", "source_seq", "kind", "time", "data"],
+        ((run_id, seq, CONTROL_SOURCE, seq, kind, stored_at, json.dumps(data)) for run_id, seq, kind, data in events),
+    )  # fmt: skip
     by_group: dict[str, list[dict[str, Any]]] = {}
-    for event in RunEvent.objects.bulk_create(events, batch_size=1000):
-        by_group.setdefault(run_group(event.run_id), []).append(event.as_message())
+    for run_id, seq, kind, data in events:
+        by_group.setdefault(run_group(run_id), []).append(RunEvent.message(seq, kind, now, data, source=CONTROL_SOURCE))
     publish_many_on_commit(by_group)
     return [run_id for run_id, _, _, _ in placements if run_id in moved]
 
 
-def do_note_waiting_many(run_ids: list[int], reason: str) -> None:
-    """One waiting reason for many queued runs (a quota's), in one UPDATE and without an event
-    each: the runs' pages read it with the row."""
-    Run.objects.filter(pk__in=run_ids, status=Run.Status.QUEUED).exclude(status_reason=reason).update(status_reason=reason)
+def do_note_waiting_many(reasons: Mapping[str, list[int]]) -> None:
+    """Waiting reasons of many queued runs (each reason: the runs it holds back, a quota's say),
+    in one UPDATE and without an event each: the runs' pages read them with the row."""
+    if not reasons:
+        return
+    Run.objects.filter(pk__in=[pk for run_ids in reasons.values() for pk in run_ids], status=Run.Status.QUEUED).update(
+        status_reason=Case(*(When(pk__in=run_ids, then=Value(reason)) for reason, run_ids in reasons.items()))
+    )
 
 
 def do_preempt(run: Run, by: Run) -> bool:

@@ -15,9 +15,10 @@ from typing import IO
 import pytest
 import redis
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
+from controlplane.bulk import insert_rows
 from deployments import services as deployment_services
 from deployments.models import Deployment, Replica
 from deployments.options import host_refusal
@@ -550,3 +551,11 @@ def test_the_database_refuses_a_device_given_twice(django_user_model):
     DeviceClaim.objects.create(host=host, device=0, run=runs[0], node=0)
     with pytest.raises(IntegrityError), transaction.atomic():
         DeviceClaim.objects.create(host=host, device=0, run=runs[1], node=0)
+    # The way a pass writes its claims (COPY on PostgreSQL) is refused the same way, and whole.
+    now = connection.ops.adapt_datetimefield_value(timezone.now())
+    fields = ["host", "device", "run", "node", "claimed_at"]
+    with pytest.raises(IntegrityError), transaction.atomic():
+        insert_rows(DeviceClaim, fields, [(host.pk, 1, runs[1].pk, 0, now), (host.pk, 0, runs[1].pk, 0, now)])
+    assert list(DeviceClaim.objects.values_list("device", "run")) == [(0, runs[0].pk)]
+    insert_rows(DeviceClaim, fields, [(host.pk, 1, runs[1].pk, 0, now)])
+    assert DeviceClaim.objects.get(device=1).run == runs[1]
