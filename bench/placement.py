@@ -39,7 +39,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from bench.netns_cluster import control_plane_on_postgres, netns_cluster
@@ -110,7 +110,12 @@ def preemption(api) -> dict[str, float]:  # type: ignore[no-untyped-def]
                     headers={"Authorization": f"Token {token}"}).json()["id"]  # fmt: skip
     first = wait(lambda: RunEvent.objects.filter(run_id=high, kind="metrics").order_by("seq").first(), 300, "the high run's first step")
     to_first_step = first.time.timestamp() - submitted
-    print(f"preemption: the priority-5 run's first step {to_first_step:.2f} s after its submit")
+    print(f"preemption: the priority-5 run's first step {to_first_step:.2f} s after its submit; where the time went:")
+    timeline = RunEvent.objects.filter(run_id__in=[low, high], time__gte=datetime.fromtimestamp(submitted, UTC))
+    for run_id, kind, at, data in timeline.order_by("time").values_list("run_id", "kind", "time", "data"):
+        if kind != "metrics" or at <= first.time:
+            detail = data.get("status") or data.get("reason") or data.get("step") or ""
+            print(f"  {at.timestamp() - submitted:6.2f} s  {'high' if run_id == high else 'low '}  {kind} {detail}")
     wait(lambda: Run.objects.get(pk=low).status in Run.FINISHED, 600, "the low run's end")
     run = Run.objects.get(pk=low)
     losses = dict(run.events.filter(kind="metrics").values_list("data__step", "data__loss"))

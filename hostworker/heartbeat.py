@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -65,8 +66,15 @@ def _post(config: HostConfig, body: dict[str, Any], token: str) -> dict[str, Any
         return dict(json.loads(answer.read()))
 
 
+# How often the heartbeat thread looks at what the host runs between beats.
+CHANGE_CHECK_S = 0.2
+
+
 class Heartbeat:
-    """Beats every `heartbeat_s` on a thread of its own; a failed beat is logged and retried."""
+    """Beats every `heartbeat_s` on a thread of its own, and at once when what the host runs
+    changes: the control plane gives a device back only when a beat no longer lists the agent or
+    supervisor that held it, so a preempted or finished run's devices go to the next run within
+    a check, not a beat interval. A failed beat is logged and retried."""
 
     def __init__(self, config: HostConfig, processes: Processes) -> None:
         self.config = config
@@ -75,6 +83,7 @@ class Heartbeat:
         self.cpu_flags = cpu_flags()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._sent_running: list[dict[str, Any]] | None = None  # what the last beat said runs
 
     def body(self) -> dict[str, Any]:
         return {
@@ -89,7 +98,9 @@ class Heartbeat:
 
     def register(self) -> str:
         """The first beat; raises JoinRefused when the control plane turns the host away."""
-        status = str(send(self.config, self.body()).get("status", ""))
+        body = self.body()
+        status = str(send(self.config, body).get("status", ""))
+        self._sent_running = body["running"]
         log.info("host %s joined %s at %s (%s, %d devices)", self.config.name, self.config.control_url,
                  self.config.address, status, len(self.devices))  # fmt: skip
         return status
@@ -102,9 +113,15 @@ class Heartbeat:
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_s):
+        due = time.monotonic() + self.config.heartbeat_s
+        while not self._stop.wait(min(CHANGE_CHECK_S, self.config.heartbeat_s)):
+            body = self.body()
+            if time.monotonic() < due and body["running"] == self._sent_running:
+                continue
+            due = time.monotonic() + self.config.heartbeat_s
             try:
-                send(self.config, self.body())
+                send(self.config, body)
+                self._sent_running = body["running"]
             except JoinRefused as exc:
                 log.error("%s", exc)
             except (OSError, ValueError) as exc:

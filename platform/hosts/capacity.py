@@ -7,6 +7,8 @@ events through `runs.services`).
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,13 @@ def need_of(spec: dict[str, Any]) -> Need:
     nodes = int(spec.get("nodes", {}).get("max", 1))
     per_node = int(spec.get("nodes", {}).get("nproc_per_node", 0)) or max(world // nodes, 1)
     return Need(nodes=nodes, per_node=per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def need_of_json(layout: str | None, nodes: str | None) -> Need:
+    """`need_of` a spec whose `layout` and `nodes` are given as their JSON texts: what a pass
+    reads of thousands of runs, of which few differ, so each distinct pair is decoded once."""
+    return need_of({"layout": json.loads(layout) if layout else {}, "nodes": json.loads(nodes) if nodes else {}})
 
 
 def wanted_kinds(spec: dict[str, Any], cluster_has_gpus: bool) -> tuple[str, ...]:

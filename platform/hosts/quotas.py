@@ -33,9 +33,10 @@ from typing import Any, Protocol, TypeVar
 
 from django.conf import settings
 from django.db.models import Q
+from django.db.models.fields.json import KT
 
 from controlplane.exceptions import InvalidInput
-from hosts.capacity import devices_word, need_of
+from hosts.capacity import devices_word, need_of_json
 from hosts.models import DeviceClaim, Host, Quota
 from runs.models import Project, Run
 
@@ -53,8 +54,6 @@ class Queued(Protocol):
     def project_id(self) -> int | None: ...
     @property
     def priority(self) -> int: ...
-    @property
-    def created_at(self) -> datetime: ...
 
 
 QueuedRun = TypeVar("QueuedRun", bound=Queued)
@@ -168,21 +167,21 @@ class Policy:
         share with the lowest score, its oldest run. Scores are read again as the pass places
         runs (they only grow), so the order follows what was placed."""
         levels: dict[int, dict[Share, deque[QueuedRun]]] = defaultdict(lambda: defaultdict(deque))
-        for run in sorted(queue, key=lambda r: (r.created_at, r.pk)):
+        for run in sorted(queue, key=lambda r: r.pk):  # submission order: ids grow as runs are submitted
             levels[run.priority][share_of(run.owner_id, run.project_id)].append(run)
         for priority in sorted(levels, reverse=True):
             shares = levels[priority]
-            heap = [(self.score(k), runs[0].created_at, runs[0].pk, k) for k, runs in shares.items()]
+            heap = [(self.score(k), runs[0].pk, k) for k, runs in shares.items()]
             heapq.heapify(heap)
             while heap:
-                score, created, pk, share = heapq.heappop(heap)
+                score, pk, share = heapq.heappop(heap)
                 if (now := self.score(share)) > score:
-                    heapq.heappush(heap, (now, created, pk, share))
+                    heapq.heappush(heap, (now, pk, share))
                     continue
                 runs = shares[share]
                 yield runs.popleft()
                 if runs:
-                    heapq.heappush(heap, (self.score(share), runs[0].created_at, runs[0].pk, share))
+                    heapq.heappush(heap, (self.score(share), runs[0].pk, share))
 
 
 def recent_use(now: datetime) -> dict[Share, float]:
@@ -192,12 +191,12 @@ def recent_use(now: datetime) -> dict[Share, float]:
     since = now - timedelta(seconds=10 * half_life)
     ran = Run.objects.filter(started_at__isnull=False).filter(Q(finished_at__isnull=True) | Q(finished_at__gte=since))
     use: dict[Share, float] = defaultdict(float)
-    for owner_id, project_id, started, finished, spec in ran.values_list(
-        "owner_id", "project_id", "started_at", "finished_at", "spec"
+    for owner_id, project_id, started, finished, layout, nodes in ran.values_list(
+        "owner_id", "project_id", "started_at", "finished_at", KT("spec__layout"), KT("spec__nodes")
     ):
         if started is None:
             continue  # (filtered out above: for the type checker)
-        slots = need_of(spec).total
+        slots = need_of_json(layout, nodes).total
         ended_ago = max((now - (finished or now)).total_seconds(), 0.0)
         began_ago = max((now - started).total_seconds(), ended_ago)
         # slots × ∫ 2^(-age/H) d(age) from ended_ago to began_ago, times ln 2 / H: the closed form.

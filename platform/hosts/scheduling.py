@@ -35,7 +35,7 @@ from django.utils import timezone
 
 from controlplane.bulk import insert_rows
 from hosts import capacity
-from hosts.capacity import KINDS, Need, devices_word, gib, holds_rank, need_of, release, wanted_kinds
+from hosts.capacity import KINDS, Need, devices_word, gib, holds_rank, need_of, need_of_json, release, wanted_kinds
 from hosts.models import DeviceClaim, Host
 from hosts.quotas import Policy, share_of
 from runs.models import Run
@@ -202,34 +202,34 @@ class RunsSide(Protocol):
 
 class Queued(NamedTuple):
     """What a pass reads of a queued run: a tuple, not a model (a queue of thousands), and of its
-    spec only what placement needs."""
+    spec only what placement needs, decided once per distinct spec (`_wants_of`)."""
 
     pk: int
     owner_id: int
     project_id: int | None
     priority: int
-    created_at: datetime
     resume: bool
     status_reason: str
     last_seq: int
-    spec: dict[str, Any]  # its layout, nodes and resources
+    need: Need  # its nodes and devices per node
+    wants: Wants  # the device kinds and host labels it may go to
     rank_memory_mb: dict[str, int]
     reservation: dict[str, Any]
 
 
-def read_queue() -> list[Queued]:
-    # The JSON columns come as text and each distinct text is parsed once (`_parsed`): a queue of
-    # thousands has a few dozen layouts, and decoding every row's five fields was most of a pass.
+def read_queue(cluster_has_gpus: bool) -> list[Queued]:
+    # The JSON columns come as text and each distinct text is parsed once (`_parsed`, `_shape`):
+    # a queue of thousands has a few dozen shapes, and decoding every row's five fields was most
+    # of a pass.
     text = functools.partial(Cast, output_field=TextField())
     rows = Run.objects.filter(status=Run.Status.QUEUED, cancel_requested=False).values_list(
-        "pk", "owner_id", "project_id", "priority", "created_at", "resume", "status_reason", "last_seq",
+        "pk", "owner_id", "project_id", "priority", "resume", "status_reason", "last_seq",
         KT("spec__layout"), KT("spec__nodes"), KT("spec__resources"), text("rank_memory_mb"), text("reservation"),
     )  # fmt: skip
     return [
-        Queued(pk, owner, project, priority, created, resume, reason, last_seq,
-               {"layout": _parsed(layout), "nodes": _parsed(nodes), "resources": _parsed(resources)},
+        Queued(pk, owner, project, priority, resume, reason, last_seq, *_shape(layout, nodes, resources, cluster_has_gpus),
                _parsed(memory), _parsed(held))  # fmt: skip
-        for pk, owner, project, priority, created, resume, reason, last_seq, layout, nodes, resources, memory, held in rows
+        for pk, owner, project, priority, resume, reason, last_seq, layout, nodes, resources, memory, held in rows
     ]
 
 
@@ -238,6 +238,11 @@ def _parsed(text: str | None) -> Any:
     """A JSON text's value ({} for none). Shared by every run whose field reads the same: readers
     of a `Queued` never change what it holds."""
     return json.loads(text) if text else {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape(layout: str | None, nodes: str | None, resources: str | None, cluster_has_gpus: bool) -> tuple[Need, Wants]:
+    return need_of_json(layout, nodes), Wants.of({"resources": _parsed(resources)}, cluster_has_gpus)
 
 
 class Pass:
@@ -458,7 +463,7 @@ def schedule(runs: RunsSide) -> list[int]:
         policy = Policy(hosts, now)
         names = {h.pk: h.name for h in hosts}
         has_gpus = any(h.device_kind == "gpu" for h in hosts)
-        queue = read_queue()
+        queue = read_queue(has_gpus)
         candidates: dict[tuple[Any, ...], dict[str, list[Host]]] = {((), ()): this.ready}
         # The least device memory a ready host of each kind reports (hosts that report none hold anything).
         smallest = {
@@ -473,7 +478,7 @@ def schedule(runs: RunsSide) -> list[int]:
             if run.resume and runs.still_stopping(Run.objects.get(pk=run.pk)):
                 own_reasons[run.pk] = "waiting: its previous agents are still stopping"
                 continue
-            need, wants = need_of(run.spec), Wants.of(run.spec, has_gpus)
+            need, wants = run.need, run.wants
             kinds, over_quota = policy.kinds_allowed(run, need.total, wants.kinds)
             if not kinds:
                 own_reasons[run.pk] = over_quota
