@@ -25,7 +25,7 @@ from django.utils import timezone
 from deployments import services, shipped
 from deployments.models import Deployment, Replica
 from deployments.options import device, host_refusal, stored_options
-from hosts import scheduling
+from hosts import replica_placement
 from hosts.models import DeviceClaim, Host
 from launch import executors, supervisors
 from launch.supervisors import SupervisorRequest
@@ -40,7 +40,7 @@ from serving.vllm import replica_dtype
 SCRAPE_TIMEOUT_SECONDS = 1.5
 
 
-def config_for(deployment: Deployment, export_path: str, group: scheduling.ReplicaGroup | None = None) -> DeploymentConfig:
+def config_for(deployment: Deployment, export_path: str, group: replica_placement.ReplicaGroup | None = None) -> DeploymentConfig:
     """The supervisor's config: on this machine (all replicas), or for the replicas `group` puts
     on one host (at its address, shipping its folder to ours), with the options the deployment
     stored resolved at create."""
@@ -113,7 +113,7 @@ def start(deployment: Deployment) -> int | None:
 def lose_hosts(deployment: Deployment) -> bool:
     """The deployment's replicas on lost hosts went with them: their devices go back (a lost host
     that returns gets nothing new while what still runs there of them is stopped,
-    `scheduling.orphans_on`), their rows are dead, and the control plane's copy of those hosts'
+    `hosts.scheduling.orphans_on`), their rows are dead, and the control plane's copy of those hosts'
     state no longer routes to them. The deployment serves on with the replicas left, degraded,
     until `place_missing` has placed the lost ones again; with none left, it fails. Either way its
     reason names the hosts. True when it failed."""

@@ -16,28 +16,28 @@ labels match its selector (`resources.labels`). A placement is `DeviceClaim` row
 from __future__ import annotations
 
 import functools
-import heapq
 import json
 import random
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any, NamedTuple, Protocol
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F, TextField
+from django.db.models import TextField
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 from django.utils import timezone
 
 from controlplane.bulk import insert_rows
 from hosts import capacity
-from hosts.capacity import KINDS, Need, devices_word, gib, holds_rank, need_of, need_of_json, release, wanted_kinds
+from hosts.capacity import Need, devices_word, gib, need_of, need_of_json, release, wanted_kinds
+from hosts.gang import matching, place, waiting_reason
 from hosts.models import DeviceClaim, Host
 from hosts.quotas import Policy, share_of
+from hosts.reservation import ACTIVE_PLACED, Reservation, ending_runs, preempting_for, preemption, reserve
 from runs.models import Run
 from training.config import ResourcesConfig, SpecError
 from training.ports import listen_port
@@ -92,59 +92,6 @@ def placement_of(run: Run) -> list[NodePlacement]:
         NodePlacement(node, claims[0].host, sorted(c.device for c in claims))
         for node, claims in sorted(by_node.items())
     ]
-
-
-def place(
-    need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]], kinds: Iterable[str] = KINDS
-) -> list[tuple[Host, list[int]]] | None:
-    """A host and `need.per_node` free devices for each of the run's nodes, all of one kind, or None.
-
-    `hosts`: the ready hosts by kind. Nodes go to distinct hosts while there are hosts to spread
-    over (a lost host then costs the run one node), and only then share one. Among those that
-    hold a node, the host with the fewest free devices is taken (best fit), so large holes stay
-    for large runs. The `kinds` are tried in order (GPU hosts before CPU hosts)."""
-    # (`id`, a plain attribute, not `pk`, a property: this runs for every host for every run.)
-    per_node = need.per_node
-    for kind in kinds:
-        fits = [(count, h.name, h) for h in hosts.get(kind, ()) if (count := len(free[h.id])) >= per_node]
-        if len(fits) >= need.nodes:
-            # Enough hosts for one node each: the best fits, fewest free devices first (names
-            # are unique, so hosts themselves are never compared).
-            return [(h, free[h.id][:per_node]) for _, _, h in heapq.nsmallest(need.nodes, fits)]
-        if sum(count // per_node for count, _, _ in fits) < need.nodes:
-            continue
-        # Fewer hosts than nodes: each host once, best fit first, then again where room is left.
-        left = {h.id: free[h.id] for _, _, h in fits}
-        by_id = {h.id: h for _, _, h in fits}
-        gang: list[tuple[Host, list[int]]] = []
-        used: set[int] = set()
-        for _ in range(need.nodes):
-            chosen = min(
-                (i for i, devices in left.items() if len(devices) >= per_node),
-                key=lambda i: (i in used, len(left[i]), by_id[i].name),
-            )
-            gang.append((by_id[chosen], left[chosen][:per_node]))
-            left[chosen] = left[chosen][per_node:]
-            used.add(chosen)
-        return gang
-    return None
-
-
-def waiting_reason(need: Need, hosts: dict[str, list[Host]], free: dict[int, list[int]], kinds: Iterable[str] = KINDS) -> str:
-    for kind in kinds:
-        of_kind = hosts.get(kind, [])
-        if not of_kind:
-            continue
-        total_free = sum(len(free[h.pk]) for h in of_kind)
-        reason = f"waiting: needs {devices_word(kind, need.total)}"
-        if need.nodes > 1:
-            reason += f" ({need.nodes} nodes × {need.per_node}, each node on one host)"
-        reason += f", {total_free} free"
-        if total_free >= need.total:
-            room = sum(len(free[h.pk]) // need.per_node for h in of_kind)
-            reason += f" but room for {room} node{'s' if room != 1 else ''} of {need.per_node} on one host"
-        return reason
-    return f"waiting: no ready {' or '.join(k.upper() for k in kinds)} host"
 
 
 def behind(head_id: int) -> str:
@@ -346,101 +293,6 @@ def _selector(labels: str) -> tuple[tuple[str, str], ...]:
         return ()  # checked at submit: a stored spec's selector is well formed
 
 
-@dataclass
-class Reservation:
-    """The devices the head of the queue will start on, held back from every run behind it:
-    the free ones now, and those of the running runs whose end it waits for."""
-
-    run_id: int
-    devices: set[tuple[int, int]]  # (host id, device)
-    until: list[int]  # the runs whose end frees the rest
-    expected_at: datetime | None  # when the last of them is expected to end; None: unknown
-
-    def as_json(self, names: dict[int, str]) -> dict[str, Any]:
-        return {
-            "devices": sorted(f"{names[h]}:{d}" for h, d in self.devices),
-            "until": self.until,
-            "expected_at": self.expected_at.replace(second=0, microsecond=0).isoformat() if self.expected_at else None,
-        }
-
-    def describe(self, names: dict[int, str]) -> str:
-        shown = ", ".join(self.as_json(names)["devices"])
-        if not self.until:
-            return f"holds {shown} in reserve"
-        # (Not when: the reason is written, with an event, only when it changes, and the expected
-        # time moves with every pass; `Run.reservation` has it, to the minute.)
-        runs = f"run{'s' if len(self.until) > 1 else ''} {', '.join(map(str, self.until))} end{'' if len(self.until) > 1 else 's'}"
-        return f"holds {shown} in reserve until {runs}"
-
-
-def expected_end(started_at: datetime | None, step: int, steps: int, now: datetime) -> datetime | None:
-    """When a running run should end at the pace it has kept; None before its first step."""
-    if started_at is None or step <= 0 or steps <= 0:
-        return None
-    per_step = (now - started_at).total_seconds() / step
-    return now + timedelta(seconds=per_step * max(steps - step, 0))
-
-
-def reserve(
-    run_id: int, need: Need, kinds: Iterable[str], hosts: dict[str, list[Host]], free: dict[int, list[int]],
-    ending: list[tuple[datetime | None, int, list[tuple[int, int]]]],
-) -> Reservation | None:  # fmt: skip
-    """The head run's reservation: the fewest of the `ending` runs (by expected end, unknown
-    last) whose devices, with the free ones, hold its gang, and the gang placed on them. None
-    when even all of them ending would not make room (it waits for hosts, and holds nothing)."""
-    kinds = tuple(kinds)
-
-    def gang_after(count: int) -> list[tuple[Host, list[int]]] | None:
-        freed: dict[int, list[int]] = defaultdict(list)
-        for _, _, devices in ending[:count]:
-            for host_id, device in devices:
-                freed[host_id].append(device)
-        return place(need, hosts, {h: sorted(free[h] + freed.get(h, [])) for h in free}, kinds)
-
-    if gang_after(len(ending)) is None:
-        return None
-    low, high = 0, len(ending)  # placing only gets easier as more runs end: the fewest by bisection
-    while low < high:
-        middle = (low + high) // 2
-        if gang_after(middle) is None:
-            low = middle + 1
-        else:
-            high = middle
-    gang = gang_after(low)
-    assert gang is not None
-    waited = ending[:low]
-    ends = [end for end, _, _ in waited]
-    expected_at = None if None in ends else max(ends, default=None)  # type: ignore[type-var]
-    devices = {(host.id, device) for host, chosen in gang for device in chosen}
-    return Reservation(run_id, devices, [run for _, run, _ in waited], expected_at)
-
-
-def _ending_runs(this: Pass, now: datetime) -> list[tuple[datetime | None, int, list[tuple[int, int]]]]:
-    """The runs holding devices, by when they should end (unknown last): the claims stored and
-    those this pass made."""
-    held: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for run_id, host_id, device in DeviceClaim.objects.filter(run__isnull=False).values_list("run_id", "host_id", "device"):
-        held[run_id].append((host_id, device))
-    for run_id, claims in this.claims.items():
-        held[run_id] += [(host_id, device) for host_id, device, _ in claims]
-    progress = Run.objects.filter(pk__in=list(held)).values_list("pk", "started_at", "step", "spec__train__steps")
-    ends = {pk: expected_end(started, step or 0, int(steps or 0), now) for pk, started, step, steps in progress}
-    ending = [(ends.get(run_id), run_id, devices) for run_id, devices in held.items()]
-    return sorted(ending, key=lambda e: (e[0] is None, e[0] or now, e[1]))
-
-
-def matching(
-    by_kind: dict[str, list[Host]], selector: tuple[tuple[str, str], ...], memory: tuple[tuple[str, int], ...]
-) -> dict[str, list[Host]]:
-    """Of `by_kind`, the hosts whose labels match `selector` and whose devices hold a rank that
-    needs `memory` ((kind, MB) pairs)."""
-    need = dict(memory)
-    return {
-        kind: [h for h in hosts if all(h.labels.get(k) == v for k, v in selector) and holds_rank(h, need)]
-        for kind, hosts in by_kind.items()
-    }
-
-
 def schedule(runs: RunsSide) -> list[int]:
     """One placement pass; returns the runs placed (moved to `starting`), whose start tasks the
     caller sends.
@@ -512,7 +364,7 @@ def schedule(runs: RunsSide) -> list[int]:
                 reason += f" on hosts labelled {wants.describe()}"
             if big:
                 reason += f", of hosts whose devices hold one of its ranks ({', '.join(f'{gib(mb)} on a {k.upper()}' for k, mb in big)})"
-            ending = _ending_runs(this, now)
+            ending = ending_runs(this.claims, now)
             victims = preemption(run, need, kinds, hosts_for, this.free, ending)
             if victims:
                 head_run = Run.objects.get(pk=run.pk)
@@ -533,54 +385,6 @@ def schedule(runs: RunsSide) -> list[int]:
         for preempted in Run.objects.filter(status__in=ACTIVE_PLACED, preempted_by__isnull=False):
             runs.request_stop(preempted)  # until it stops: a request may be lost, or come before its agent started
     return placed
-
-
-ACTIVE_PLACED = [Run.Status.STARTING, Run.Status.RUNNING, Run.Status.RESTARTING]
-
-
-def preempting_for(head_id: int) -> set[int]:
-    return set(Run.objects.filter(preempted_by_id=head_id, status__in=ACTIVE_PLACED).values_list("pk", flat=True))
-
-
-def preemption(
-    head: Queued, need: Need, kinds: Iterable[str], hosts: dict[str, list[Host]], free: dict[int, list[int]],
-    ending: list[tuple[datetime | None, int, list[tuple[int, int]]]],
-) -> list[Run]:  # fmt: skip
-    """The running runs of lower priority the head asks to checkpoint and stop so that it can
-    start: none if it would fit once the runs already stopping for it are gone; else the fewest,
-    lowest priority first, then the most recently started (least progress since their last
-    checkpoint), of runs whose project allows preemption. Empty when even all of them would not
-    make room (it waits, and stops nobody)."""
-    kinds = tuple(kinds)
-    devices = {run_id: held for _, run_id, held in ending}
-
-    def fits(stopped: Iterable[int]) -> bool:
-        freed: dict[int, list[int]] = defaultdict(list)
-        for run_id in stopped:
-            for host_id, device in devices.get(run_id, []):
-                freed[host_id].append(device)
-        return place(need, hosts, {h: free[h] + freed.get(h, []) for h in free}, kinds) is not None
-
-    already = preempting_for(head.pk)
-    if fits(already):
-        return []
-    candidates = list(
-        Run.objects.filter(pk__in=list(devices), status__in=ACTIVE_PLACED, priority__lt=head.priority, preempted_by__isnull=True)
-        .exclude(project__quota__preemptible=False)
-        .order_by("priority", F("started_at").desc(nulls_first=True), "-pk")
-    )
-    chosen: list[Run] = []
-    for candidate in candidates:
-        chosen.append(candidate)
-        if fits(already | {c.pk for c in chosen}):
-            break
-    else:
-        return []
-    # The last one added made room; drop any earlier one it made needless.
-    for candidate in list(chosen[:-1]):
-        if fits(already | {c.pk for c in chosen if c is not candidate}):
-            chosen.remove(candidate)
-    return chosen
 
 
 def _write_reasons(
@@ -612,76 +416,6 @@ def _write_reasons(
         Run.objects.filter(pk__in=stale).update(reservation={})
     if head is not None and head.reservation != held:
         Run.objects.filter(pk=head.pk).update(reservation=held)
-
-
-@dataclass(frozen=True)
-class ReplicaGroup:
-    """The replicas of a deployment that one host runs, under one supervisor: replica
-    `first_replica + i` serves on `devices[i * per_replica : (i + 1) * per_replica]`."""
-
-    host: Host
-    devices: list[int]
-    first_replica: int
-    per_replica: int = 1
-
-    @property
-    def replicas(self) -> list[int]:
-        return list(range(self.first_replica, self.first_replica + len(self.devices) // self.per_replica))
-
-
-def place_deployment(
-    deployment_id: int,
-    replicas: int,
-    kind: str,
-    per_replica: int = 1,
-    refusal: Callable[[Host], str | None] = lambda host: None,
-    first_replica: int = 0,
-) -> list[ReplicaGroup] | str:
-    """`per_replica` free devices of `kind` ("gpu" or "cpu") on one ready host for each replica,
-    claimed for the deployment in one transaction (host rows locked, as for runs); or why there
-    are none. `refusal` says why a host cannot run these replicas (its CPU lacks a kernel they
-    need), or None: such a host is left out, and named in the answer when they do not fit.
-
-    Replicas spread over hosts as a run's nodes do (a lost host then costs one replica, not
-    all); the replicas that share a host share its supervisor and are numbered consecutively,
-    from `first_replica` (a lost host's replicas placed again). A host that runs replicas of the
-    deployment already is left out: one supervisor a host. A deployment waits in no queue: one
-    that does not fit now fails, saying why."""
-    with transaction.atomic():
-        hosts = list(Host.objects.select_for_update().order_by("pk"))
-        release_ended_claims(hosts)
-        this = Pass(hosts)
-        serving = set(DeviceClaim.objects.filter(deployment_id=deployment_id).values_list("host_id", flat=True))
-        refused = {h.name: reason for h in this.ready.get(kind, []) if (reason := refusal(h)) is not None}
-        ready = [h for h in this.ready.get(kind, []) if h.name not in refused and h.pk not in serving]
-        gang = place(Need(nodes=replicas, per_node=per_replica), {kind: ready}, this.free)
-        if gang is None:
-            if per_replica == 1:
-                free = sum(len(this.free[h.pk]) for h in ready)
-                why = f"needs {devices_word(kind, replicas)} free on ready hosts, one per replica; {free} free now"
-            else:
-                room = sum(len(this.free[h.pk]) // per_replica for h in ready)
-                why = (
-                    f"needs {replicas} replicas × {devices_word(kind, per_replica)} free on one host each "
-                    f"(tensor_parallel_size); the ready hosts have room for {room} now"
-                )
-            left_out = "; ".join(f"host {name}: {reason}" for name, reason in refused.items())
-            return f"{why}; left out: {left_out}" if refused else why
-        on_host: dict[int, list[int]] = defaultdict(list)
-        by_id = {}
-        for host, devices in gang:
-            on_host[host.pk] += devices
-            by_id[host.pk] = host
-        groups, first = [], first_replica
-        for host_id, devices in on_host.items():
-            groups.append(ReplicaGroup(by_id[host_id], devices, first, per_replica))
-            first += len(devices) // per_replica
-        DeviceClaim.objects.bulk_create(
-            DeviceClaim(host=g.host, device=device, deployment_id=deployment_id, node=g.first_replica + i // per_replica)
-            for g in groups
-            for i, device in enumerate(g.devices)
-        )
-    return groups
 
 
 def queue_order() -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from typing import Any
 from django.conf import settings
 
 from deployments.models import Deployment
-from hosts import scheduling
+from hosts import replica_placement
 from hosts.models import DeviceClaim, Host
 from launch.run_agents import HOST_FOLDER, send_to_host
 from serving.deployment_config import DeploymentConfig
@@ -39,7 +39,7 @@ class SupervisorRequest:
     refusal: Callable[[Host], str | None]  # why a host cannot run these replicas, or None
     # The supervisor's config: for every replica on this machine (None), or for the replicas a
     # host's group holds, with the control plane's endpoint for what it ships.
-    configure: Callable[[scheduling.ReplicaGroup | None], DeploymentConfig]
+    configure: Callable[[replica_placement.ReplicaGroup | None], DeploymentConfig]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def start_here(request: SupervisorRequest) -> Started:
 def start_on_hosts(request: SupervisorRequest) -> Started:
     """Claims a device (or `per_replica` of them) on a ready host for each replica and sends each
     host its supervisor's start; raises NotPlaced, with why, when they do not fit now."""
-    groups = scheduling.place_deployment(
+    groups = replica_placement.place_deployment(
         request.deployment.pk, len(request.replicas), request.kind, request.per_replica,
         refusal=request.refusal, first_replica=request.replicas[0],
     )  # fmt: skip

@@ -25,7 +25,8 @@ from deployments.options import host_refusal
 from deployments.tasks import reconcile_deployments
 from hosts import services as host_services
 from hosts.models import DeviceClaim, Host, Quota
-from hosts.scheduling import orphans_on, place_deployment
+from hosts.replica_placement import place_deployment
+from hosts.scheduling import orphans_on
 from hosts.tasks import schedule_and_start, watch_hosts
 from launch import run_agents
 from runs import services
