@@ -8,6 +8,7 @@ from django.conf import settings
 from controlplane.queue import enqueue_on_commit
 from hosts import recovery, scheduling, services
 from launch import run_agents
+from runs import placement_moves
 from runs import services as run_services
 from runs.models import Run
 
@@ -17,11 +18,11 @@ class RunsSide:
     happens to each run; its earlier agents' locks or hosts' reports say whether they still run."""
 
     still_stopping = staticmethod(run_agents.agents_alive)
-    move_to_starting = staticmethod(run_services.do_move_to_starting)
+    move_to_starting = staticmethod(placement_moves.do_move_to_starting)
     note_waiting = staticmethod(run_services.do_note_waiting)
-    note_waiting_many = staticmethod(run_services.do_note_waiting_many)
-    preempt = staticmethod(run_services.do_preempt)
-    request_stop = staticmethod(run_services.request_stop)
+    note_waiting_many = staticmethod(placement_moves.do_note_waiting_many)
+    preempt = staticmethod(placement_moves.do_preempt)
+    request_stop = staticmethod(placement_moves.request_stop)
 
 
 RUNS_SIDE = RunsSide()
