@@ -53,9 +53,47 @@ def _choice(section: str, name: str, value: Any, allowed: tuple[Any, ...]) -> No
     )
 
 
+Architecture = Literal["llama", "qwen2", "qwen3", "mistral"]
+
+
+@dataclass(kw_only=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling (transformers' `rope_type: llama3`): wavelengths longer
+    than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
+    shorter than original_max_position_embeddings / high_freq_factor kept, those between blended."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        _choice("model.rope_scaling", "rope_type", self.rope_type, ("llama3",))
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                f"model.rope_scaling.{name}",
+                f"must be a number > 0; got {value!r}",
+            )
+        _require(
+            self.low_freq_factor < self.high_freq_factor,
+            "model.rope_scaling.high_freq_factor",
+            f"must be > low_freq_factor; got high_freq_factor={self.high_freq_factor}, "
+            f"low_freq_factor={self.low_freq_factor}",
+        )
+        _positive("model.rope_scaling", self, "original_max_position_embeddings")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A Llama-style decoder. Names follow Hugging Face `LlamaConfig` where one exists."""
+    """A Llama-family decoder. Names follow Hugging Face `LlamaConfig` where one exists.
+
+    `architecture` is the Hugging Face family the model imports from and exports to; it fixes
+    what the family computes beyond Llama (`qkv_bias`, `qk_norm`), so no spec can ask for a
+    combination its family's exporter would not write back.
+    """
 
     n_layers: int = 4
     dim: int = 128
@@ -66,18 +104,40 @@ class ModelConfig:
     ffn_dim: int = 0  # 0: SwiGLU's 8/3·dim rounded up to a multiple of 64, as Llama does
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # llama (Llama 2/3.x), qwen2 (Qwen2, Qwen2.5: bias on q, k, v), qwen3 (RMSNorm on each head
+    # of q and k), mistral (Llama's computation; its attention window, below).
+    architecture: Architecture = "llama"
+    head_dim: int = 0  # 0: dim // n_heads. Qwen3 gives its own: n_heads · head_dim may differ from dim
+    tie_embeddings: bool = False  # the output head is the embedding matrix: one parameter
+    rope_scaling: RopeScaling | None = None  # None: plain rotary embeddings
+    # Mistral's attention window, as its config names it (0: none). Fathom computes full causal
+    # attention, which is the window's only where the window covers the whole training context.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         _positive("model", self, "n_layers", "dim", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
+        _choice("model", "architecture", self.architecture, get_args(Architecture))
         _require(
-            self.dim % self.n_heads == 0,
-            "model.dim",
-            f"must be divisible by model.n_heads; got dim={self.dim}, n_heads={self.n_heads}",
+            isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool) and self.head_dim >= 0,
+            "model.head_dim",
+            f"must be a positive integer (0: dim / n_heads); got {self.head_dim!r}",
         )
+        if self.head_dim == 0:
+            _require(
+                self.dim % self.n_heads == 0,
+                "model.dim",
+                f"must be divisible by model.n_heads; got dim={self.dim}, n_heads={self.n_heads}",
+            )
+            _require(
+                (self.dim // self.n_heads) % 2 == 0,
+                "model.dim",
+                f"dim / n_heads (head size) must be even for rotary embeddings; got {self.dim}/{self.n_heads}",
+            )
+            self.head_dim = self.dim // self.n_heads
         _require(
-            (self.dim // self.n_heads) % 2 == 0,
-            "model.dim",
-            f"dim / n_heads (head size) must be even for rotary embeddings; got {self.dim}/{self.n_heads}",
+            self.head_dim % 2 == 0,
+            "model.head_dim",
+            f"must be even for rotary embeddings; got {self.head_dim}",
         )
         _require(
             self.n_heads % self.n_kv_heads == 0,
@@ -86,19 +146,61 @@ class ModelConfig:
         )
         _require(self.ffn_dim >= 0, "model.ffn_dim", f"must be ≥ 0 (0 = automatic); got {self.ffn_dim}")
         _require(self.vocab_size >= 256, "model.vocab_size", f"must be ≥ 256 (byte-level BPE); got {self.vocab_size}")
+        _require(
+            isinstance(self.tie_embeddings, bool),
+            "model.tie_embeddings",
+            f"must be true or false; got {self.tie_embeddings!r}",
+        )
+        if isinstance(self.rope_scaling, dict):  # as JSON gives it
+            self.rope_scaling = _build("model.rope_scaling", RopeScaling, self.rope_scaling)
+        _require(
+            self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+            "model.rope_scaling",
+            f"must be an object with rope_type llama3, or null; got {self.rope_scaling!r}",
+        )
+        _require(
+            isinstance(self.sliding_window, int) and self.sliding_window >= 0,
+            "model.sliding_window",
+            f"must be a whole number ≥ 0 (0: none); got {self.sliding_window!r}",
+        )
+        if self.sliding_window:
+            _require(
+                self.architecture == "mistral",
+                "model.sliding_window",
+                f"is Mistral's; must be 0 for architecture {self.architecture}; got {self.sliding_window}",
+            )
+            _require(
+                self.seq_len <= self.sliding_window,
+                "model.seq_len",
+                f"must be ≤ model.sliding_window={self.sliding_window}: Fathom computes full attention, "
+                f"which equals the window's only where the window covers the training context; "
+                f"got seq_len={self.seq_len}",
+            )
         if self.ffn_dim == 0:
             self.ffn_dim = 64 * -(-(8 * self.dim // 3) // 64)
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def qkv_bias(self) -> bool:
+        """Bias on the q, k and v projections (Qwen2's attention)."""
+        return self.architecture == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm over each head of q and k, before rotary (Qwen3's attention)."""
+        return self.architecture == "qwen3"
 
     def num_params(self) -> int:
-        """Parameter count (untied input and output embeddings)."""
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        """Parameter count; a tied output head counts once, with the embedding."""
+        q_and_kv = self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+        attn = self.dim * (q_and_kv + self.n_heads * self.head_dim)
+        if self.qkv_bias:
+            attn += q_and_kv
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         mlp = 3 * self.dim * self.ffn_dim
         per_layer = attn + mlp + 2 * self.dim
-        return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
+        embeddings = (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim
+        return self.n_layers * per_layer + embeddings + self.dim
 
 
 @dataclass(kw_only=True)
@@ -374,6 +476,12 @@ class RunSpec:
         )
         stages = lay.pp * lay.stages_per_rank
         _require(
+            not (m.tie_embeddings and lay.pp > 1),
+            "layout.pp",
+            f"must be 1 for a model with tied embeddings (model.tie_embeddings): the embedding and the "
+            f"output head are one parameter, which pipeline stages cannot share; got pp={lay.pp}",
+        )
+        _require(
             m.n_layers >= stages,
             "layout.pp",
             f"pp × stages_per_rank = {stages} pipeline stages need at least that many layers; "
@@ -544,7 +652,7 @@ def _build(section: str, cls: type, values: Any) -> Any:
     except SpecError as exc:
         # A list item (faults.0) checks itself as "faults.kind"; name the item.
         head = section.split(".")[0]
-        if section != head and exc.field.startswith(head + "."):
+        if section != head and exc.field.startswith(head + ".") and not exc.field.startswith(section + "."):
             raise SpecError(section + exc.field.removeprefix(head), exc.message) from None
         raise
 

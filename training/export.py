@@ -1,4 +1,5 @@
-"""A committed checkpoint → a Hugging Face `LlamaForCausalLM` folder that vLLM serves.
+"""A committed checkpoint → a Hugging Face folder of the run's architecture (Llama, Qwen2, Qwen3,
+Mistral) that vLLM serves.
 
     python -m training.export RUN_DIR/checkpoints/step_00000050 OUT_DIR [--dtype bfloat16]
     python -m training.export s3://bucket/prefix/runs/RUN/checkpoints/step_00000050 OUT_DIR
@@ -8,7 +9,8 @@ is; the export is written to the local OUT_DIR.
 
 Runs in one process (no torchrun): DCP reads the model's tensors from every shard into a whole
 model, whatever layout wrote them. Fathom's parameter names are HF's minus the `model.` prefix
-and its rotary layout is HF's, so the weights are renamed, never permuted. Writes config.json,
+and its rotary layout is HF's, so the weights are renamed, never permuted; a tied output head is
+the embedding, stored once (no lm_head.weight, as transformers saves it). Writes config.json,
 generation_config.json, model.safetensors and the tokenizer files saved with the checkpoint.
 """
 
@@ -95,7 +97,8 @@ def export(checkpoint: Path | str, out_dir: Path, dtype: str = EXPORT_DTYPE) -> 
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     spec, model = load_model(checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
+    # named_parameters names a tied head's weight once, as the embedding's.
+    tensors = {hf_name(k): v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.named_parameters()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _copy_tokenizer(checkpoint, out_dir)
     ends = end_tokens(out_dir)

@@ -8,14 +8,15 @@ holds the whole model; the most one holds beside its shards is one slice of one 
 - `SeededInit` gives the values `torch.manual_seed(seed); Transformer(cfg)` gives, bit for bit,
   under every layout, and leaves the global generator where that leaves it. The eager
   constructor draws every parameter in turn from the one global generator (torch's module inits,
-  then `Transformer.reset_parameters`), so a parameter's values depend on every draw before
+  a Linear's bias right after its weight, then `Transformer.reset_parameters`), so a parameter's values depend on every draw before
   it: each rank replays the whole sequence of draws, a slab of rows at a time, and keeps the
   rows and columns of its own shards. CPU draws are sequential per element (`uniform_` one
   32-bit draw each; `normal_` the same, transformed 16 at a time, the last 16 redrawn when the
   count is not a multiple of 16), so slabs whose sizes are multiples of 16 draw exactly what
   the whole tensor draws (tests/training/test_initial_weights.py checks it).
 - `PretrainedWeights` reads each shard's slice of each tensor from a Hugging Face folder's
-  safetensors (`safe_open(...).get_slice`), one tensor at a time.
+  safetensors (`safe_open(...).get_slice`), one tensor at a time. A tied output head is the
+  embedding's parameter (`named_parameters` names it once), so it reads nothing of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from training.config import ModelConfig, RunSpec
 from training.model import Transformer
-from training.pretrained import hf_name, tensor_files, tied_embeddings
+from training.pretrained import hf_name, tensor_files
 
 # Elements per slab of draws: small beside any model worth building on meta (32 MB of fp32),
 # large enough that the per-slab overhead is nothing beside the drawing itself.
@@ -94,6 +95,7 @@ def materialize(parts: list[Transformer], device: torch.device, source: WeightSo
     shards: dict[str, LocalShard] = {}
     for part in parts:
         part.to_empty(device=device)
+        part.tie_weights()  # to_empty gave the head a parameter of its own where it was tied
         part.reset_buffers()
         for name, param in part.named_parameters():
             shards[canonical_name(name)] = LocalShard(param)
@@ -117,14 +119,20 @@ def slabs(shape: tuple[int, ...], draw: Callable[[torch.Tensor], object]) -> Ite
         yield start, slab
 
 
-def _constructor_draw(module: nn.Module) -> Callable[[torch.Tensor], object] | None:
-    """How torch's own init of `module` draws its weight from the global generator, if it does."""
+def _constructor_draws(module: nn.Module) -> list[tuple[tuple[int, ...], Callable[[torch.Tensor], object]]]:
+    """The (shape, draw) of each tensor torch's own init of `module` draws from the global
+    generator, in its order: an Embedding's weight; a Linear's weight, then its bias."""
     if isinstance(module, nn.Embedding):
-        return lambda t: t.normal_()
+        return [(tuple(module.weight.shape), lambda t: t.normal_())]
     if isinstance(module, nn.Linear):
-        bound = 1.0 / math.sqrt(module.in_features)  # kaiming_uniform_(a=√5)'s bound; discarded anyway
-        return lambda t: t.uniform_(-bound, bound)
-    return None
+        bound = 1.0 / math.sqrt(module.in_features)  # kaiming_uniform_(a=√5)'s and the bias's bound
+        draws: list[tuple[tuple[int, ...], Callable[[torch.Tensor], object]]] = [
+            (tuple(module.weight.shape), lambda t: t.uniform_(-bound, bound))
+        ]
+        if module.bias is not None:
+            draws.append(((module.out_features,), lambda t: t.uniform_(-bound, bound)))
+        return draws
+    return []
 
 
 def _normal(std: float) -> Callable[[torch.Tensor], object]:
@@ -142,12 +150,11 @@ class SeededInit:
         reference = build_meta(self.cfg)
         torch.manual_seed(self.seed)
         # 1. The draws of nn.Embedding's and nn.Linear's constructors, which reset_parameters
-        #    overwrites but which move the generator: drawn and dropped.
+        #    overwrites but which move the generator: drawn and dropped. A tied head's Linear drew
+        #    its own weight before the tie replaced it, so it is drawn here too.
         for module in reference.modules():
-            draw = _constructor_draw(module)
-            if draw is not None:
-                assert isinstance(module.weight, torch.Tensor)
-                for _ in slabs(tuple(module.weight.shape), draw):
+            for shape, draw in _constructor_draws(module):
+                for _ in slabs(shape, draw):
                     pass
         # 2. Transformer.reset_parameters, parameter by parameter; every rank draws every
         #    parameter, its own or not, to stay in step with the eager sequence.
@@ -157,7 +164,7 @@ class SeededInit:
             std = reference.init_std(name, param.ndim)
             if std is None:
                 if shard is not None:
-                    shard.local.fill_(1.0)
+                    shard.local.fill_(reference.init_constant(name))
                 continue
             for first_row, rows in slabs(shape, _normal(std)):
                 if shard is not None:
@@ -176,11 +183,8 @@ class PretrainedWeights:
 
         torch.manual_seed(self.seed)  # whatever draws after the init starts where a scratch run's would
         files = tensor_files(self.folder)
-        tied = tied_embeddings(self.folder)
         for name, shard in shards.items():
             stored = hf_name(name)
-            if stored not in files and name == "lm_head.weight" and tied:
-                stored = hf_name("embed_tokens.weight")
             if stored not in files:
                 raise ValueError(f"{self.folder} holds no tensor {stored}")
             with safe_open(str(files[stored]), framework="pt") as f:

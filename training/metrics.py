@@ -38,14 +38,19 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward, 3× the forward) that MFU counts.
 
-    Weights: 6 per weight in a matmul, i.e. every weight but the embedding (a lookup) and the norm
-    gains. Attention's score and value matmuls: per layer and token, QKᵀ and PV cost 2·seq·dim
+    Weights: 6 per weight in a matmul, i.e. every weight but the embedding (a lookup; tied to the
+    head, its matrix is the head's matmul), the norm gains and the biases. Attention's score and value matmuls: per layer and token, QKᵀ and PV cost 2·seq·dim
     each in the forward without a mask, so 12·dim·seq for forward + backward (PaLM, appendix B);
     the model's mask is causal, so a query meets on average half the keys and Fathom counts half
     of that: 6·layers·dim·seq (as FlashAttention's own causal FLOP count does).
     """
-    matmul_weights = cfg.num_params() - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
-    return 6.0 * matmul_weights + 6.0 * cfg.n_layers * cfg.dim * cfg.seq_len
+    # A tied head is the embedding's matrix, counted once by num_params, and still a matmul.
+    lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    gains = (2 * cfg.n_layers + 1) * cfg.dim + (2 * cfg.n_layers * cfg.head_dim if cfg.qk_norm else 0)
+    biases = cfg.n_layers * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
+    matmul_weights = cfg.num_params() - lookup - gains - biases
+    attention_width = cfg.n_heads * cfg.head_dim  # dim, unless heads have a size of their own (Qwen3)
+    return 6.0 * matmul_weights + 6.0 * cfg.n_layers * attention_width * cfg.seq_len
 
 
 def mfu(tokens_per_s: float, model: ModelConfig, peak_flops: float) -> float:

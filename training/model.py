@@ -1,12 +1,17 @@
-"""Fathom's decoder: a Llama-style transformer that reads top to bottom.
+"""Fathom's decoder: a Llama-family transformer that reads top to bottom.
 
 RMSNorm → grouped-query attention with rotary embeddings → RMSNorm → SwiGLU MLP, repeated, then a
-final norm and an untied output head. Three layout choices serve the parallelism and export code:
+final norm and an output head. The families differ only inside attention and in the head:
+Qwen2 adds a bias to the q, k and v projections, Qwen3 normalises each head of q and k (RMSNorm
+over head_dim, before rotary) and may give heads a size other than dim / n_heads; Llama 3.x
+stretches the rotary frequencies (`RopeScaling`) and the small ones tie the output head to the
+embedding (one parameter). Mistral computes what Llama does. Three layout choices serve the
+parallelism and export code:
 
-- Parameter names are Hugging Face `LlamaForCausalLM`'s without the leading `model.`
-  (`layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `lm_head.weight`), and rotary
-  embeddings use HF's `rotate_half` layout (the two halves of each head are the pairs), so export
-  is a renaming, not a permutation of weights.
+- Parameter names are Hugging Face `LlamaForCausalLM`'s (and Qwen2's, Qwen3's, Mistral's) without
+  the leading `model.` (`layers.0.self_attn.q_proj.weight`, `layers.0.self_attn.q_norm.weight`,
+  `embed_tokens.weight`, `lm_head.weight`), and rotary embeddings use HF's `rotate_half` layout
+  (the two halves of each head are the pairs), so export is a renaming, not a permutation of weights.
 - Attention reshapes with `.view(b, t, -1, head_dim)`: under tensor parallelism each rank holds
   n_heads / tp heads and the view infers how many.
 - Layers live in a `ModuleDict` keyed by their index as a string. A pipeline stage deletes the
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import ModelConfig
+from training.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -41,9 +46,29 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3's frequency scaling, operation for operation as transformers'
+    `_compute_llama3_parameters`, so the tables are bitwise those transformers and vLLM build."""
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are stretched by the factor, short ones kept, those between blended.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_tables(
+    head_dim: int, seq_len: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency), each (seq_len, head_dim), in HF's layout."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     positions = torch.arange(seq_len, dtype=torch.int64).float()
     freqs = torch.outer(positions, inv_freq)  # (T, head_dim/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim): both halves share a frequency
@@ -66,16 +91,21 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # One gain per element of a head, shared by every head (hence replicated under TP).
+        self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape  # (B, T, dim): the whole sequence, even under sequence parallelism
         q = self.q_proj(x).view(b, t, -1, self.head_dim)  # (B, T, n_heads, head_dim); local heads under TP
         k = self.k_proj(x).view(b, t, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head apart
         q = apply_rotary(q, cos[:t], sin[:t])
         k = apply_rotary(k, cos[:t], sin[:t])
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, heads, T, head_dim)
@@ -122,6 +152,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
         # Not persistent: derived from the config, so checkpoints and exports carry only weights.
         self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
@@ -134,18 +165,31 @@ class Transformer(nn.Module):
         model built on the meta device and then `to_empty`-ed calls this again)."""
         if self.rope_cos.is_meta:
             return
-        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
+    def tie_weights(self) -> None:
+        """Makes the output head's weight the embedding's own parameter, where the config ties them
+        and this stage holds both. Assigning parameters anew (`to_empty`, tensor parallelism's
+        distribution) gives each module its own; they call this again."""
+        if self.cfg.tie_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def init_std(self, name: str, ndim: int) -> float | None:
-        """The standard deviation `reset_parameters` draws parameter `name` with; None: ones (norm gains).
+        """The standard deviation `reset_parameters` draws parameter `name` with; None: a constant
+        (`init_constant`).
 
         GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2·n_layers).
         """
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             return 0.02 / math.sqrt(2 * self.cfg.n_layers)
         return 0.02 if ndim == 2 else None
+
+    @staticmethod
+    def init_constant(name: str) -> float:
+        """The value of a parameter that is not drawn: biases start at 0, norm gains at 1."""
+        return 0.0 if name.endswith(".bias") else 1.0
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -157,7 +201,7 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             std = self.init_std(name, param.ndim)
             if std is None:
-                nn.init.ones_(param)
+                nn.init.constant_(param, self.init_constant(name))
             else:
                 nn.init.normal_(param, mean=0.0, std=std)
 

@@ -12,7 +12,8 @@ what it lets one choose is whether a block's parameters are freed again right af
 
 zero=0 is not FSDP: parameters are replicated and gradients all-reduced (parallel/replicate.py).
 Each transformer block is its own unit so its all-gather overlaps the previous block's compute;
-the embedding and the norm+head are units of their own, then the root takes what is left.
+the embedding and the norm+head are units of their own, then the root takes what is left. A
+tied embedding and head are one parameter, which belongs to one unit: the root's.
 
 bf16 under FSDP is FSDP2's mixed precision, not autocast: the fp32 shards stay the master copy,
 each unit's all-gather casts to bf16 (half the traffic) and frees the bf16 weights with the
@@ -50,11 +51,12 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero: int, precision: st
     """
     reshard = reshard_after_forward(zero)
     policy = mixed_precision(precision)
-    if model.embed_tokens is not None:
+    tied = model.cfg.tie_embeddings
+    if model.embed_tokens is not None and not tied:
         fully_shard(model.embed_tokens, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    if model.norm is not None and model.lm_head is not None:
+    if model.norm is not None and model.lm_head is not None and not tied:
         # The head runs last in forward and first in backward: keeping it whole in between saves an
         # all-gather at no memory cost worth naming (torchtitan does the same).
         fully_shard([model.norm, model.lm_head], mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)

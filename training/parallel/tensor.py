@@ -7,6 +7,17 @@ sequence slices (Rowwise with output Shard(1)). The embedding is split by vocabu
 output head by vocabulary columns; the head's logits are gathered (Replicate) so the loss, and a
 pipeline schedule's loss function, see ordinary full-vocabulary logits.
 
+Qwen2's q, k, v biases are split with their columns (ColwiseParallel shards a bias with its
+weight's output features). Qwen3's per-head norms of q and k hold one gain per element of a head,
+shared by all heads: each rank applies them to its own heads, so they are replicated parameters
+whose gradient is each rank's heads' share: `SequenceParallel(sequence_dim=2)` views the local
+(B, T, local heads, head_dim) tensor as split along the heads, and DTensor then sums the gains'
+gradient over tp (torchtitan's Qwen3 plan does the same).
+
+A tied head (model.tie_embeddings) is the embedding's parameter: both plans split its rows by
+vocabulary (Shard(0)), but each distributes its module's parameter anew, so the tie is made again
+on the one DTensor after parallelizing; the gradient of both uses accumulates into it.
+
 DTensor's embedding backward returns the vocabulary-split weight's gradient whole (Replicate):
 `keep_embedding_grad_sharded` cuts it back to this rank's rows as soon as it is accumulated, so
 it is neither kept nor all-reduced over dp whole.
@@ -39,6 +50,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         root_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)  # type: ignore[arg-type]
+        model.tie_weights()
 
     for block in model.layers.values():
         block_plan = {
@@ -52,6 +64,14 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            **(
+                {
+                    "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                    "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                }
+                if model.cfg.qk_norm
+                else {}
+            ),
             "post_attention_layernorm": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "mlp.gate_proj": ColwiseParallel(),

@@ -332,7 +332,7 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate, impl: Implementa
     layer_act = tokens_mb * saved_per_token(layer_saved_for(lay.recompute, s), tp, act_b)
     layer_act_none = tokens_mb * saved_per_token(layer_saved(s), tp, act_b)
     out_act = tokens_mb * saved_per_token(output_saved(s), tp, act_b)
-    layer_params = s.layer_matmul_params() / tp + s.layer_norm_params()
+    layer_params = s.layer_split_params() / tp + s.layer_norm_params()
     emb_params = s.V * s.h / tp
 
     def in_flight(rank: int) -> float:
@@ -386,7 +386,7 @@ def _estimate(spec: RunSpec, cluster: Cluster, cand: Candidate, impl: Implementa
 
     # Compute: hardware FLOPs of the busiest rank per micro-batch (forward + backward, plus the
     # forward again for fully recomputed blocks), at the sustained matmul rate.
-    layer_flops = 6.0 * s.layer_matmul_params() + 12.0 * s.h * s.s  # per token
+    layer_flops = 6.0 * s.layer_matmul_params() + 12.0 * s.a * s.head_size * s.s  # per token
     if lay.recompute == "full":
         layer_flops += layer_flops / 3
     rate = dev.peak_flops(lay.precision) * dev.matmul_efficiency
@@ -456,9 +456,10 @@ def _loss_logits(tokens: int, vocab: int, tp: int, act_b: int) -> float:
 
 def stage_params(s: Shape, share: RankShare, tp: int) -> float:
     """Parameters one tp rank of a pipeline rank holds (before FSDP sharding)."""
-    layer = s.layer_matmul_params() / tp + s.layer_norm_params()
+    layer = s.layer_split_params() / tp + s.layer_norm_params()
     emb = s.V * s.h / tp
-    return share.layers * layer + (emb if share.embedding else 0) + (emb + s.h if share.head else 0)
+    shared = emb if (s.tied and share.embedding and share.head) else 0  # a tied head is the embedding
+    return share.layers * layer + (emb if share.embedding else 0) + (emb + s.h if share.head else 0) - shared
 
 
 def _tp_traffic(

@@ -68,10 +68,21 @@ class Shape:
     f: int  # SwiGLU inner size
     V: int  # vocabulary
     s: int  # sequence length
+    d: int = 0  # head size; 0: h / a
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2), split by tp with their columns
+    qk_norm: bool = False  # a head_dim gain on q and on k (Qwen3), replicated on every tp rank
+    tied: bool = False  # the output head is the embedding: one V·h matrix
 
     @classmethod
     def of(cls, m: ModelConfig) -> Shape:
-        return cls(m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.seq_len)
+        return cls(
+            m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.seq_len,
+            m.head_dim, m.qkv_bias, m.qk_norm, m.tie_embeddings,
+        )  # fmt: skip
+
+    @property
+    def head_size(self) -> int:
+        return self.d or self.h // self.a
 
     @property
     def kv(self) -> float:
@@ -79,18 +90,28 @@ class Shape:
         return self.k / self.a
 
     def layer_matmul_params(self) -> int:
-        """q, o: h·h each; k, v: h·h·k/a each; gate, up, down: h·f each. All split by tp."""
-        return 2 * self.h * self.h + 2 * self.h * self.h * self.k // self.a + 3 * self.h * self.f
+        """q, o: h·a·d each (h·h where a·d = h); k, v: h·k·d each; gate, up, down: h·f each. All split by tp."""
+        d = self.head_size
+        return 2 * self.h * self.a * d + 2 * self.h * self.k * d + 3 * self.h * self.f
+
+    def layer_split_params(self) -> int:
+        """What tp splits of a layer: its matmul weights and the q, k, v biases split with their columns."""
+        return self.layer_matmul_params() + (self.a + 2 * self.k) * self.head_size * int(self.qkv_bias)
 
     def layer_norm_params(self) -> int:
-        """Two RMSNorm weights, replicated on every tp rank."""
-        return 2 * self.h
+        """Two RMSNorm weights (and the per-head q and k gains), replicated on every tp rank."""
+        return 2 * self.h + 2 * self.head_size * int(self.qk_norm)
+
+    @property
+    def vocab_matrices(self) -> int:
+        """Distinct V·h matrices: the embedding and the head, or the one they share."""
+        return 1 if self.tied else 2
 
 
 def num_params(m: ModelConfig) -> int:
-    """Matches `ModelConfig.num_params()`: layers, untied embedding and head, final norm."""
+    """Matches `ModelConfig.num_params()`: layers, embedding and head (once when tied), final norm."""
     s = Shape.of(m)
-    return s.L * (s.layer_matmul_params() + s.layer_norm_params()) + 2 * s.V * s.h + s.h
+    return s.L * (s.layer_split_params() + s.layer_norm_params()) + s.vocab_matrices * s.V * s.h + s.h
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
