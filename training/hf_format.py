@@ -39,16 +39,15 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 
 def _family_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The fields only some families' configs have, as each family's config class names them."""
-    if cfg.architecture in ("llama", "qwen3"):
-        # Llama's puts a bias on o_proj too, Qwen3's on all four: the decoder has none there.
-        fields: dict[str, Any] = {"attention_bias": False}
-        if cfg.architecture == "llama":
-            fields["mlp_bias"] = False
-        return fields
-    if cfg.architecture == "qwen2":
-        # Qwen2's q, k, v biases are its architecture's; no field says so.
-        return {"use_sliding_window": False, "sliding_window": None}
-    return {"sliding_window": cfg.sliding_window or None}  # mistral
+    if cfg.architecture == "llama":
+        # Llama's attention_bias puts a bias on o_proj too: the decoder has none there.
+        return {"attention_bias": False, "mlp_bias": False}
+    if cfg.architecture == "mistral":
+        return {"sliding_window": cfg.sliding_window or None}
+    # Qwen: full attention in every layer. Qwen2's q, k, v biases are its architecture's (no
+    # field says so); Qwen3's attention_bias would put one on all four projections.
+    window = {"use_sliding_window": False, "sliding_window": None}
+    return {**window, "attention_bias": False} if cfg.architecture == "qwen3" else window
 
 
 def hf_config(cfg: ModelConfig, dtype: str, bos: int, eos: int, max_positions: int | None = None) -> dict[str, Any]:
