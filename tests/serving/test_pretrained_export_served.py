@@ -1,5 +1,6 @@
 """A run started from a pretrained Llama folder, whose tokenizer ends text with its own `</s>`,
-exports a folder vLLM serves as transformers computes it."""
+exports a folder vLLM serves as transformers computes it; so does a run from a Qwen3 folder
+(per-head q/k norms, a head size of its own), exported as a Qwen3."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import transformers
 
 from serving.vllm import ReplicaOptions
 from tests.serving.conftest import RunningDeployment, start_deployment
+from tests.training.test_architectures import save_model
+from tests.training.test_architectures import spec_from as architecture_spec_from
 from tests.training.test_pretrained import llama_style_folder, spec_from
 from tools.check_parity import launch
 from training.demo import corpus as demo_corpus
@@ -40,26 +43,66 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen3_exported(tmp_path_factory: pytest.TempPathFactory, exported: Path) -> Path:
+    """The export of a two-step run from a random Qwen3 (head size 32, which vLLM's CPU attention
+    computes) that uses the Llama folder's tokenizer."""
+    tmp = tmp_path_factory.mktemp("qwen3-export")
+    corpus = demo_corpus.write(tmp / "corpus.txt", n_documents=300)
+    spec = architecture_spec_from(save_model("qwen3", tmp / "qwen3", exported), dataset=str(corpus))
+    spec.train.steps = 2
+    spec.train.warmup_steps = 1
+    spec.train.checkpoint_interval = 2
+    launch(spec, tmp / "run", 600)
+    checkpoint = RunDir(tmp / "run").latest_checkpoint()
+    assert checkpoint is not None
+    return export(checkpoint, tmp / "exported")
+
+
+OPTIONS = ReplicaOptions(max_model_len=64, max_num_seqs=4, kv_cache_gib=1, enforce_eager=True, dtype="float32")
+
+
+@pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory, exported: Path, vllm_python: str) -> Iterator[RunningDeployment]:
-    options = ReplicaOptions(max_model_len=64, max_num_seqs=4, kv_cache_gib=1, enforce_eager=True, dtype="float32")
     yield from start_deployment(
-        tmp_path_factory.mktemp("served"), exported, vllm_python, name="continued", replicas=1, options=options
+        tmp_path_factory.mktemp("served"), exported, vllm_python, name="continued", replicas=1, options=OPTIONS
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen3_deployment(
+    tmp_path_factory: pytest.TempPathFactory, qwen3_exported: Path, vllm_python: str
+) -> Iterator[RunningDeployment]:
+    yield from start_deployment(
+        tmp_path_factory.mktemp("served-qwen3"), qwen3_exported, vllm_python, name="qwen3", replicas=1, options=OPTIONS
     )
 
 
 async def test_vllm_serves_the_export_of_a_run_from_a_pretrained_folder_as_transformers_computes_it(
     deployment: RunningDeployment, exported: Path
 ) -> None:
+    assert transformers.AutoTokenizer.from_pretrained(exported).eos_token == "</s>"
+    await assert_served_as_transformers_computes(deployment, exported, "continued")
+
+
+async def test_vllm_serves_a_qwen3_export_as_transformers_computes_it(
+    qwen3_deployment: RunningDeployment, qwen3_exported: Path
+) -> None:
+    model = transformers.AutoModelForCausalLM.from_pretrained(qwen3_exported)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    await assert_served_as_transformers_computes(qwen3_deployment, qwen3_exported, "qwen3")
+
+
+async def assert_served_as_transformers_computes(deployment: RunningDeployment, exported: Path, name: str) -> None:
+    """Greedy continuations equal transformers' and prompt log-probabilities within 1e-3."""
     torch.set_num_threads(1)
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
-    assert tokenizer.eos_token == "</s>"
     client = openai.AsyncOpenAI(base_url=f"{deployment.router_url}/v1", api_key="unused", max_retries=0, timeout=120)
     worst_gap = 0.0
     for prompt in PROMPTS:
         ids = tokenizer(prompt).input_ids
         served = await client.completions.create(
-            model="continued", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+            model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
             extra_body={"prompt_logprobs": 0, "return_token_ids": True},
         )  # fmt: skip
         extra = served.choices[0].model_extra or {}
