@@ -56,6 +56,7 @@ from training.checkpoint_storage import StoredCheckpoints, checkpoints_of
 from training.config import RunSpec
 from training.data import TOKENIZER_FILES, copy_tokenizer
 from training.hooks import TrainHook
+from training.model import Transformer
 from training.run_dir import (
     CHECKPOINT_METADATA,
     CHECKPOINT_SPEC,
@@ -231,7 +232,10 @@ class Checkpointer:
         model: dict[str, Any] = {}
         optim: dict[str, Any] = {}
         for part, opt in zip(self.parts, self.optimizers, strict=True):
-            model.update(get_model_state_dict(part))
+            state = get_model_state_dict(part)
+            for name in part.tied_names() if isinstance(part, Transformer) else ():
+                state.pop(name, None)  # the embedding's tensor, already saved under its own name
+            model.update(state)
             optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
         return {"model": model, "optim": optim}
 

@@ -61,10 +61,12 @@ def load_model(checkpoint: Path | str) -> tuple[RunSpec, Transformer]:
         reader = {"checkpoint_id": Path(checkpoint)}
     model = Transformer(spec.model)
     state = {"model": model.state_dict()}
+    for name in model.tied_names():  # stored once, as the embedding
+        del state["model"][name]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, no_dist=True, **reader)  # fills the tensors in place
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not model.tied_names())
     return spec, model.eval()
 
 

@@ -176,6 +176,13 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def tied_names(self) -> tuple[str, ...]:
+        """State-dict names that are another parameter's (a tied head's weight is the embedding's):
+        checkpoints store the tensor once, under the embedding's name."""
+        if self.cfg.tie_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            return ("lm_head.weight",)
+        return ()
+
     def init_std(self, name: str, ndim: int) -> float | None:
         """The standard deviation `reset_parameters` draws parameter `name` with; None: a constant
         (`init_constant`).

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
@@ -225,6 +226,8 @@ def test_a_dp2_tp2_run_trains_as_one_process_and_exports_the_same_architecture(
     assert_export_is_the_same_architecture(folder, checkpoint, tmp_path / "exported")
 
     if spec.model.tie_embeddings:
+        stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        assert "model.embed_tokens.weight" in stored and "model.lm_head.weight" not in stored  # held once
         # The checkpoint resumes on one process (another layout) and continues the curve.
         resume_from(tmp_path / "parallel", STEPS - 1, tmp_path / "resumed")
         resumed = step_values(launch(reference_spec(spec), tmp_path / "resumed", TIMEOUT))
