@@ -172,7 +172,7 @@ class SeededInit:
 
 
 class PretrainedWeights:
-    """The tensors of a Hugging Face Llama folder, each rank reading only its shards' slices."""
+    """The tensors of a Hugging Face folder (training/pretrained.py), each rank reading only its shards' slices."""
 
     def __init__(self, folder: Path, seed: int) -> None:
         self.folder = folder
