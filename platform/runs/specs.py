@@ -53,6 +53,14 @@ def resolve_spec(
         raise InvalidInput("spec", "must be an object with sections model, layout, train, nodes, faults")
     _refuse_server_paths(spec)
     base = RECIPES[recipe]().to_dict()
+    model = spec.get("model")
+    if isinstance(model, dict):
+        # The recipe's head size and MLP width were derived from its own dim and heads: where the
+        # user changes those and not these, they are derived again from the user's.
+        if ("dim" in model or "n_heads" in model) and "head_dim" not in model:
+            base["model"]["head_dim"] = 0
+        if "dim" in model and "ffn_dim" not in model:
+            base["model"]["ffn_dim"] = 0
     if validation_dataset is not None:
         base["data"]["validation_dataset"] = validation_dataset.path
     merged = deep_merge(base, spec)

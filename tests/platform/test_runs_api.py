@@ -37,6 +37,13 @@ BAD_SPECS = [
 ]
 
 
+def test_a_model_of_another_width_gets_the_head_size_and_mlp_width_of_its_own(alice_api):
+    response = create_run(alice_api, spec={"model": {"dim": 256, "n_heads": 4}})
+    assert response.status_code == 201, response.content
+    model = Run.objects.get().spec["model"]
+    assert (model["head_dim"], model["ffn_dim"]) == (64, 704)  # 256 / 4, and 8/3·256 rounded up to 64s
+
+
 @pytest.mark.parametrize(("spec", "path", "message"), BAD_SPECS)
 def test_it_rejects_a_bad_spec_naming_the_field(alice_api, spec, path, message):
     response = create_run(alice_api, spec=spec)
