@@ -17,6 +17,9 @@ Model and optimizer go through DCP's `get_state_dict`-family calls, which name e
 its fully qualified parameter name whatever the sharding (FSDP, TP, pipeline stage), with the
 optimizer state flattened to `state.<fqn>.<key>`. Loading under another layout therefore reads
 the slices each rank now owns (resharding), and pipeline stages together hold every name once.
+
+A LoRA run's checkpoint holds its adapters only (the frozen base is a pretrained folder's, which
+every start reads again): its metadata names that folder as `lora_base`.
 """
 
 from __future__ import annotations
@@ -231,8 +234,10 @@ class Checkpointer:
     def _state_dict(self) -> dict[str, Any]:
         model: dict[str, Any] = {}
         optim: dict[str, Any] = {}
+        # A LoRA run keeps only what trains; the frozen base comes from its pretrained folder.
+        options = StateDictOptions(ignore_frozen_params=self.spec.lora.enabled)
         for part, opt in zip(self.parts, self.optimizers, strict=True):
-            state = get_model_state_dict(part)
+            state = get_model_state_dict(part, options=options)
             for name in part.tied_names() if isinstance(part, Transformer) else ():
                 state.pop(name, None)  # the embedding's tensor, already saved under its own name
             model.update(state)
@@ -390,6 +395,7 @@ class Checkpointer:
             "step": step,
             "layout": dataclasses.asdict(self.spec.layout),
             "world_size": dist.get_world_size() if self.distributed else 1,
+            **({"lora_base": self.spec.data.pretrained} if self.spec.lora.enabled else {}),
         }
         metadata_text = json.dumps(metadata, indent=2, sort_keys=True) + "\n"
         if self.stored is not None:

@@ -395,6 +395,67 @@ class DataConfig:
 MAX_VALIDATION_FRACTION = 0.5
 
 
+# The linear layers of a block an adapter may sit on, in the model's (and PEFT's) names.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on a frozen pretrained base: each target linear W computes
+    W·x + (alpha / rank) · B·A·dropout(x), and only A (rank × in) and B (out × rank) train.
+    `rank` 0 (the default) is a full fine-tune; the other fields then mean nothing."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the update is scaled by alpha / rank, as PEFT's `lora_alpha`
+    dropout: float = 0.0  # on the adapter's input only; the base path sees x unchanged
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # every projection of a block
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 0,
+            "lora.rank",
+            f"must be a whole number ≥ 0 (0: no LoRA, a full fine-tune); got {self.rank!r}",
+        )
+        _require(
+            isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and self.alpha > 0,
+            "lora.alpha",
+            f"must be a number > 0; got {self.alpha!r}",
+        )
+        _require(
+            isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool) and 0 <= self.dropout < 1,
+            "lora.dropout",
+            f"must be a number in [0, 1); got {self.dropout!r}",
+        )
+        _require(
+            isinstance(self.targets, list) and all(isinstance(t, str) for t in self.targets),
+            "lora.targets",
+            f"must be a list of projection names ({', '.join(LORA_TARGETS)}); got {self.targets!r}",
+        )
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        _require(
+            not unknown,
+            "lora.targets",
+            f"must name projections the model has: {', '.join(LORA_TARGETS)}; got {', '.join(map(repr, unknown))}",
+        )
+        _require(
+            len(set(self.targets)) == len(self.targets),
+            "lora.targets",
+            f"names a projection twice: {self.targets}",
+        )
+        if self.rank:
+            _require(bool(self.targets), "lora.targets", "must name at least one projection for a LoRA run")
+        # One order whatever order the spec gave: parameter names and PEFT's target_modules follow it.
+        self.targets = [t for t in LORA_TARGETS if t in self.targets]
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 DEVICES = ("", "gpu", "cpu", "any")
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
@@ -451,6 +512,7 @@ class RunSpec:
     data: DataConfig = field(default_factory=DataConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     faults: list[FaultSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -532,6 +594,19 @@ class RunSpec:
                 "train.eval_interval",
                 f"must be ≤ train.steps={t.steps} (0: no evaluation); got {t.eval_interval}",
             )
+        if self.lora.enabled:
+            _require(
+                bool(self.data.pretrained),
+                "data.pretrained",
+                "a LoRA run (lora.rank > 0) trains adapters on a pretrained base: choose a pretrained model; "
+                "got none",
+            )
+            _require(
+                self.lora.dropout == 0 or lay.tp == 1,
+                "lora.dropout",
+                f"must be 0 under tensor parallelism (layout.tp={lay.tp}): the ranks of a tp group would "
+                f"draw different masks for the one input they share; got {self.lora.dropout}",
+            )
         for i, fault in enumerate(self.faults):
             _require(
                 fault.rank < lay.world_size,
@@ -569,7 +644,10 @@ class RunSpec:
     # --- JSON round trip -------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        if not self.lora.enabled:
+            del values["lora"]  # a full fine-tune's spec reads as it did before LoRA existed
+        return values
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -586,6 +664,7 @@ class RunSpec:
             "data": DataConfig,
             "nodes": NodesConfig,
             "resources": ResourcesConfig,
+            "lora": LoraConfig,
         }
         unknown = set(data) - set(sections) - {"faults"}
         if unknown:

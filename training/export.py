@@ -3,6 +3,7 @@ Mistral) that vLLM serves.
 
     python -m training.export RUN_DIR/checkpoints/step_00000050 OUT_DIR [--dtype bfloat16]
     python -m training.export s3://bucket/prefix/runs/RUN/checkpoints/step_00000050 OUT_DIR
+    python -m training.export LORA_RUN_DIR OUT_DIR [--merged]
 
 A checkpoint on object storage (`training.checkpoint_storage`) is read through fsspec where it
 is; the export is written to the local OUT_DIR.
@@ -12,6 +13,12 @@ model, whatever layout wrote them. Fathom's parameter names are HF's minus the `
 and its rotary layout is HF's, so the weights are renamed, never permuted; a tied output head is
 the embedding, stored once (no lm_head.weight, as transformers saves it). Writes config.json,
 generation_config.json, model.safetensors and the tokenizer files saved with the checkpoint.
+
+A LoRA run's checkpoint (adapters only) exports as a PEFT adapter folder: adapter_config.json,
+naming the pretrained folder it adapts as `base_model_name_or_path`, and adapter_model.safetensors
+under PEFT's names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), plus the
+tokenizer. With `--merged` it exports instead the whole model of the base's architecture, each
+target weight W replaced by W + (alpha / rank)·B·A, as a full fine-tune's export is written.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from training.config import RunSpec
 from training.data import TOKENIZER_FILES, copy_tokenizer, end_tokens
 from training.hf_format import EXPORT_DTYPE, hf_config
-from training.model import Transformer
+from training.initial_weights import build_meta, initial_weights, materialize
+from training.model import ADAPTERS, LoraAdapter, Transformer, is_adapter
 from training.pretrained import hf_name
 from training.run_dir import CHECKPOINT_SPEC, CHECKPOINT_TOKENIZER, COMMITTED_MARKER, CheckpointDir, RunDir
 from training.storage import Storage, local_root
@@ -59,15 +67,90 @@ def load_model(checkpoint: Path | str) -> tuple[RunSpec, Transformer]:
             raise ValueError(f"{checkpoint} is not a committed checkpoint (no {stored.committed_marker.name} marker)")
         spec = RunSpec.from_json(stored.spec_file.read_text())
         reader = {"checkpoint_id": Path(checkpoint)}
-    model = Transformer(spec.model)
-    state = {"model": model.state_dict()}
-    for name in model.tied_names():  # stored once, as the embedding
-        del state["model"][name]
+    if spec.lora.enabled:
+        # The checkpoint holds the adapters; the base is its pretrained folder's, read as at a start.
+        model = build_meta(spec.model, spec.lora)
+        materialize([model], torch.device("cpu"), initial_weights(spec))
+        state = {"model": {k: v for k, v in model.state_dict().items() if is_adapter(k)}}
+    else:
+        model = Transformer(spec.model)
+        state = {"model": model.state_dict()}
+        for name in model.tied_names():  # stored once, as the embedding
+            del state["model"][name]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, no_dist=True, **reader)  # fills the tensors in place
-    model.load_state_dict(state["model"], strict=not model.tied_names())
+    model.load_state_dict(state["model"], strict=not model.tied_names() and not spec.lora.enabled)
     return spec, model.eval()
+
+
+def peft_name(name: str) -> str:
+    """An adapter parameter's name → PEFT's for a causal LM
+    (`layers.0.self_attn.adapters.q_proj.lora_A.weight` → `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`)."""
+    return "base_model.model." + hf_name(name.replace(f".{ADAPTERS}.", "."))
+
+
+@torch.no_grad()
+def merged_parameters(model: Transformer) -> dict[str, torch.Tensor]:
+    """The base's parameters by name, each adapted weight W as W + scale·B·A (fp32)."""
+    merged = {k: v.detach() for k, v in model.named_parameters() if not is_adapter(k)}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraAdapter):
+            weight = name.replace(f".{ADAPTERS}.", ".") + ".weight"
+            merged[weight] = merged[weight] + module.scale * (module.lora_B.weight @ module.lora_A.weight)
+    return merged
+
+
+def adapter_config(spec: RunSpec) -> dict[str, Any]:
+    """PEFT's adapter_config.json for a LoRA run's adapters."""
+    lora = spec.lora
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": spec.data.pretrained,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
+    }
+
+
+def export_adapter(checkpoint: Path | str, out_dir: Path, dtype: str = EXPORT_DTYPE) -> Path:
+    """A LoRA checkpoint → a PEFT adapter folder (module docstring)."""
+    spec, model = load_model(checkpoint)
+    if not spec.lora.enabled:
+        raise ValueError(f"{checkpoint} is a full fine-tune's checkpoint: it has no adapters to export")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        peft_name(k): v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.named_parameters() if is_adapter(k)
+    }
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config(spec), indent=2) + "\n")
+    _copy_tokenizer(checkpoint, out_dir)
+    return out_dir
+
+
+def is_lora_checkpoint(checkpoint: Path | str) -> bool:
+    """Whether a committed checkpoint is a LoRA run's (holds adapters, not a whole model)."""
+    if _on_object_storage(checkpoint):
+        assert isinstance(checkpoint, str)
+        remote = Storage.open(checkpoint)
+        text = remote.fs.cat_file(remote.path(CHECKPOINT_SPEC)).decode()
+    else:
+        text = CheckpointDir(Path(checkpoint)).spec_file.read_text()
+    return RunSpec.from_json(text).lora.enabled
 
 
 def _copy_tokenizer(checkpoint: Path | str, out_dir: Path) -> None:
@@ -95,12 +178,13 @@ def _served_context(spec: RunSpec) -> int:
 
 
 def export(checkpoint: Path | str, out_dir: Path, dtype: str = EXPORT_DTYPE) -> Path:
+    """The whole model of a checkpoint as a Hugging Face folder; a LoRA run's merged into its base."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     spec, model = load_model(checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
     # named_parameters names a tied head's weight once, as the embedding's.
-    tensors = {hf_name(k): v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.named_parameters()}
+    tensors = {hf_name(k): v.to(DTYPES[dtype]).contiguous() for k, v in merged_parameters(model).items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _copy_tokenizer(checkpoint, out_dir)
     ends = end_tokens(out_dir)
@@ -124,6 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="for a LoRA run's checkpoint: the whole model with the adapters merged, not a PEFT adapter folder",
+    )
     args = parser.parse_args(argv)
     checkpoint: Path | str = args.checkpoint
     if not _on_object_storage(args.checkpoint):
@@ -133,7 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         if newest is None:
             raise SystemExit(f"{checkpoint} is neither a committed checkpoint nor a run folder with one")
         checkpoint = newest
-    print(export(checkpoint, args.out_dir, args.dtype))
+    if not args.merged and is_lora_checkpoint(checkpoint):
+        print(export_adapter(checkpoint, args.out_dir, args.dtype))
+    else:
+        print(export(checkpoint, args.out_dir, args.dtype))
 
 
 if __name__ == "__main__":

@@ -17,11 +17,15 @@ holds the whole model; the most one holds beside its shards is one slice of one 
 - `PretrainedWeights` reads each shard's slice of each tensor from a Hugging Face folder's
   safetensors (`safe_open(...).get_slice`), one tensor at a time. A tied output head is the
   embedding's parameter (`named_parameters` names it once), so it reads nothing of its own.
+- `LoraWeights` (a LoRA run) reads the base as `PretrainedWeights` does and starts the adapters
+  as PEFT does (A kaiming-uniform, B zero), each A drawn whole from a generator of its own
+  seeded by the run's seed and the adapter's name, so every layout starts from the same values.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -31,8 +35,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from training.config import ModelConfig, RunSpec
-from training.model import Transformer
+from training.config import LoraConfig, ModelConfig, RunSpec
+from training.model import Transformer, init_lora_a, is_adapter
 from training.pretrained import hf_name, tensor_files
 
 # Elements per slab of draws: small beside any model worth building on meta (32 MB of fp32),
@@ -80,10 +84,10 @@ def canonical_name(name: str) -> str:
     return name.replace(_WRAPPER_SEGMENT, "")
 
 
-def build_meta(cfg: ModelConfig) -> Transformer:
+def build_meta(cfg: ModelConfig, lora: LoraConfig | None = None) -> Transformer:
     """The model's structure with no storage: every parameter and buffer on the meta device."""
     with torch.device("meta"):
-        return Transformer(cfg)
+        return Transformer(cfg, lora)
 
 
 @torch.no_grad()
@@ -196,8 +200,33 @@ class PretrainedWeights:
                 shard.local.copy_(piece[shard.box])  # reads only this box of the file, in its stored dtype
 
 
+class LoraWeights:
+    """A LoRA run's first weights: the base from its pretrained folder, the adapters as PEFT starts them."""
+
+    def __init__(self, base: PretrainedWeights, seed: int) -> None:
+        self.base = base
+        self.seed = seed
+
+    def fill(self, shards: dict[str, LocalShard]) -> None:
+        self.base.fill({name: shard for name, shard in shards.items() if not is_adapter(name)})
+        for name, shard in shards.items():
+            if not is_adapter(name):
+                continue
+            if name.endswith("lora_B.weight"):
+                shard.local.zero_()
+                continue
+            # Drawn whole (rank × in is small) from a generator of its own, never the global one,
+            # whose state after the init must be a full fine-tune's. crc32, not hash(): Python
+            # salts str hashes per process, and every rank must draw the same.
+            generator = torch.Generator().manual_seed(self.seed ^ zlib.crc32(name.encode()))
+            whole = init_lora_a(torch.empty(shard.full_shape), generator)
+            shard.local.copy_(whole[shard.box])
+
+
 def initial_weights(spec: RunSpec) -> WeightSource:
     """Where a run's first weights come from (a resumed run then overwrites them from its checkpoint)."""
+    if spec.lora.enabled:
+        return LoraWeights(PretrainedWeights(Path(spec.data.pretrained), spec.train.seed), spec.train.seed)
     if spec.data.pretrained:
         return PretrainedWeights(Path(spec.data.pretrained), spec.train.seed)
     return SeededInit(spec.model, spec.train.seed)

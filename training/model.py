@@ -18,6 +18,10 @@ parallelism and export code:
   layers it does not own, and sets `embed_tokens` / `norm` / `lm_head` to None where another stage
   owns them; the names of what remains do not change, so checkpoints from any layout line up.
 
+A LoRA run (`LoraConfig`) adds a `LoraAdapter` beside each target projection, under the
+attention's or MLP's `adapters` (`layers.0.self_attn.adapters.q_proj.lora_A.weight`), and freezes
+every other parameter. B starts at zero, so the adapted model starts as the base model.
+
 The model returns logits; the loss is computed outside it so a pipeline schedule can own it.
 """
 
@@ -29,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import ModelConfig, RopeScaling
+from training.config import LoraConfig, ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -87,8 +91,70 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+# The submodule of an attention or MLP that holds its adapters; a parameter is an adapter's
+# exactly when its name has this segment.
+ADAPTERS = "adapters"
+
+
+def is_adapter(name: str) -> bool:
+    return f".{ADAPTERS}." in f".{name}"
+
+
+class LoraAdapter(nn.Module):
+    """The low-rank update of one linear layer: (alpha / rank) · B·A·dropout(x).
+
+    A (rank × in) starts as PEFT starts it (kaiming-uniform, a=√5, torch's Linear default), B
+    (out × rank) at zero. Two Linears, so tensor parallelism splits them with its usual styles.
+    """
+
+    def __init__(self, in_features: int, out_features: int, lora: LoraConfig) -> None:
+        super().__init__()
+        self.lora_A = nn.Linear(in_features, lora.rank, bias=False)
+        self.lora_B = nn.Linear(lora.rank, out_features, bias=False)
+        self.scale = lora.scale
+        self.dropout = lora.dropout
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init_lora_a(self.lora_A.weight)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout)
+        return self.lora_B(self.lora_A(x)) * self.scale  # (B, T, out); local columns or rows under TP
+
+
+@torch.no_grad()
+def init_lora_a(weight: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A's first values (rank × in), PEFT's: kaiming-uniform with a=√5, bound 1/√in."""
+    return nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+
+
+def adapters_for(projections: dict[str, nn.Linear], lora: LoraConfig | None) -> nn.ModuleDict | None:
+    """An adapter for each of `projections` that `lora` targets; None without LoRA (no submodule,
+    so a full fine-tune's modules and names are as they were)."""
+    if lora is None or not lora.enabled:
+        return None
+    return nn.ModuleDict(
+        {
+            name: LoraAdapter(linear.in_features, linear.out_features, lora)
+            for name, linear in projections.items()
+            if name in lora.targets
+        }
+    )
+
+
+def project(linear: nn.Linear, name: str, adapters: nn.ModuleDict | None, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)`, plus its adapter's update where it has one."""
+    y = linear(x)
+    if adapters is not None and name in adapters:
+        y = y + adapters[name](x)
+    return y
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoraConfig | None = None) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -98,12 +164,14 @@ class Attention(nn.Module):
         # One gain per element of a head, shared by every head (hence replicated under TP).
         self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        projections = {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "o_proj": self.o_proj}
+        self.adapters = adapters_for(projections, lora)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape  # (B, T, dim): the whole sequence, even under sequence parallelism
-        q = self.q_proj(x).view(b, t, -1, self.head_dim)  # (B, T, n_heads, head_dim); local heads under TP
-        k = self.k_proj(x).view(b, t, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        q = project(self.q_proj, "q_proj", self.adapters, x).view(b, t, -1, self.head_dim)  # (B, T, n_heads, head_dim); local heads under TP
+        k = project(self.k_proj, "k_proj", self.adapters, x).view(b, t, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = project(self.v_proj, "v_proj", self.adapters, x).view(b, t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head apart
         q = apply_rotary(q, cos[:t], sin[:t])
@@ -112,29 +180,34 @@ class Attention(nn.Module):
         # enable_gqa: query head h reads kv head h // (n_heads / n_kv_heads), HF's repeat_kv grouping.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, n_heads * head_dim)
-        return self.o_proj(y)
+        return project(self.o_proj, "o_proj", self.adapters, y)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoraConfig | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        projections = {"gate_proj": self.gate_proj, "up_proj": self.up_proj, "down_proj": self.down_proj}
+        self.adapters = adapters_for(projections, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gated = F.silu(project(self.gate_proj, "gate_proj", self.adapters, x)) * project(
+            self.up_proj, "up_proj", self.adapters, x
+        )
+        return project(self.down_proj, "down_proj", self.adapters, gated)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoraConfig | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, lora)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, lora)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)  # (B, T, dim)
@@ -145,11 +218,12 @@ class Transformer(nn.Module):
     rope_cos: torch.Tensor  # (seq_len, head_dim) buffers, registered in __init__
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoraConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.lora = lora if lora is not None and lora.enabled else None
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, self.lora) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -158,6 +232,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
         self.reset_buffers()
         self.reset_parameters()
+        self.freeze_base()
+
+    def freeze_base(self) -> None:
+        """Under LoRA only the adapters train. Tensor parallelism distributes parameters anew
+        (trainable again): `parallelize` calls this after it, before FSDP records what trains."""
+        if self.lora is None:
+            return
+        for name, param in self.named_parameters():
+            param.requires_grad_(is_adapter(name))
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -206,11 +289,16 @@ class Transformer(nn.Module):
         before it) to fill a model built on the meta device shard by shard with the same values.
         """
         for name, param in self.named_parameters():
+            if is_adapter(name):
+                continue  # below
             std = self.init_std(name, param.ndim)
             if std is None:
                 nn.init.constant_(param, self.init_constant(name))
             else:
                 nn.init.normal_(param, mean=0.0, std=std)
+        for module in self.modules():
+            if isinstance(module, LoraAdapter):
+                module.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids (B, T) on the first stage, hidden states (B, T, dim) on later pipeline stages.

@@ -3,7 +3,9 @@
 `parallelize` applies them in a fixed order, each step relying on the one before:
 
 1. pipeline split (pipeline.py): build this rank's stages on the meta device, nothing else;
-2. tensor parallelism (tensor.py): shard each stage's weights over tp, by submodule name;
+2. tensor parallelism (tensor.py): shard each stage's weights over tp, by submodule name; a LoRA
+   run then freezes its base again (distributing made every parameter trainable), so that FSDP
+   and the optimizer see only the adapters as trainable;
 3. activation recompute (recompute.py): wrap the TP-sharded blocks;
 4. FSDP2 (fsdp.py, zero 1–3): shard the wrapped blocks' (DTensor) parameters over dp, in bf16
    mixed precision when the layout asks for bf16 (the trainer autocasts only without FSDP);
@@ -76,13 +78,14 @@ def parallelize(
         from training.parallel.pipeline import build_schedule, split_stage
 
         stage_ids = dims.stage_ids(coords["pp"])
-        parts = [split_stage(build_meta(spec.model), s, dims.num_stages) for s in stage_ids]
+        parts = [split_stage(build_meta(spec.model, spec.lora), s, dims.num_stages) for s in stage_ids]
     else:
-        stage_ids, parts = [0], [build_meta(spec.model)]
+        stage_ids, parts = [0], [build_meta(spec.model, spec.lora)]
     for part in parts:
         if dims.tp > 1:
             assert mesh is not None
             apply_tp(part, mesh["tp"])
+            part.freeze_base()
         apply_recompute(part, lay.recompute)
         if dims.fsdp_enabled:
             assert mesh is not None

@@ -18,6 +18,18 @@ A tied head (model.tie_embeddings) is the embedding's parameter: both plans spli
 vocabulary (Shard(0)), but each distributes its module's parameter anew, so the tie is made again
 on the one DTensor after parallelizing; the gradient of both uses accumulates into it.
 
+LoRA adapters (model.LoraAdapter: A then B) are split to match their layer, so each rank adds
+its update to exactly the output it holds:
+- a column-parallel layer (q, k, v, gate, up) splits its output rows: B is split the same way
+  (Colwise) and A (rank × in) is replicated. A runs on this rank's sequence slice of the
+  replicated input (`SequenceParallel`, no communication) and its (B, T, rank) output is
+  all-gathered for B, which is cheaper than gathering nothing and running A on every token of
+  every rank. A's gradient from each rank's slice is a partial sum, which DTensor sums over tp.
+- a row-parallel layer (o, down) splits its input columns: A is split by input columns
+  (Rowwise), its partial (B, T, rank) products reduce-scattered to sequence slices as o_proj's
+  output is, and B is replicated and applied to the slice (`SequenceParallel`); B's gradient,
+  again a partial sum over the slices, is summed over tp by DTensor.
+
 DTensor's embedding backward returns the vocabulary-split weight's gradient whole (Replicate):
 `keep_embedding_grad_sharded` cuts it back to this rank's rows as soon as it is accumulated, so
 it is neither kept nor all-reduced over dp whole.
@@ -36,7 +48,26 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from training.model import Transformer
+from training.model import ADAPTERS, Transformer
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def adapter_plan(model: Transformer) -> dict[str, object]:
+    """The styles of one block's adapters (module docstring), by their names in the block."""
+    if model.lora is None:
+        return {}
+    plan: dict[str, object] = {}
+    for name in model.lora.targets:
+        owner = "mlp" if name.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
+        prefix = f"{owner}.{ADAPTERS}.{name}"
+        if name in COLUMN_PARALLEL:
+            plan[f"{prefix}.lora_A"] = SequenceParallel()
+            plan[f"{prefix}.lora_B"] = ColwiseParallel(input_layouts=Shard(1))
+        else:
+            plan[f"{prefix}.lora_A"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+            plan[f"{prefix}.lora_B"] = SequenceParallel(use_local_output=True)
+    return plan
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -77,6 +108,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            **adapter_plan(model),
         }
         parallelize_module(block, tp_mesh, block_plan)  # type: ignore[arg-type]
 
