@@ -50,6 +50,10 @@ class Host(models.Model):
     def queue(self) -> str:
         return f"host.{self.name}"
 
+    def running_keys(self) -> set[str]:
+        """The keys of what the host's last beat said it runs (`run-7-node-1`, `deployment-3`)."""
+        return {str(item.get("key", "")) for item in self.running if isinstance(item, dict)}
+
     @property
     def device_kind(self) -> str:
         """The kind runs use on this host: "gpu" if it has a GPU, else "cpu"."""

@@ -120,8 +120,9 @@ class RunsSide(Protocol):
     devices; a run's status and events are recorded by runs.services, and whether its earlier
     agents still run is the launch's to say."""
 
-    def still_stopping(self, run: Run) -> bool:
-        """A queued run's earlier agents still stop: their last events must land first."""
+    def still_stopping(self, run: Run, running: set[str]) -> bool:
+        """A queued run's earlier agents still stop: their last events must land first
+        (`running`: the keys of what the hosts that are not lost run)."""
         ...
 
     def move_to_starting(self, placements: list[tuple[int, int, str, list[dict[str, Any]]]]) -> list[int]:
@@ -316,6 +317,8 @@ def schedule(runs: RunsSide) -> list[int]:
         names = {h.pk: h.name for h in hosts}
         has_gpus = any(h.device_kind == "gpu" for h in hosts)
         queue = read_queue(has_gpus)
+        # What the hosts run, read once: whether a resumed run's earlier agents still stop.
+        running = {key for h in hosts if h.status != Host.Status.LOST for key in h.running_keys()}
         candidates: dict[tuple[Any, ...], dict[str, list[Host]]] = {((), ()): this.ready}
         # The least device memory a ready host of each kind reports (hosts that report none hold anything).
         smallest = {
@@ -327,7 +330,7 @@ def schedule(runs: RunsSide) -> list[int]:
         reservation: Reservation | None = None
         own_reasons: dict[int, str] = {}  # the head's, and those of runs that wait for a reason of their own
         for run in policy.fair_order(queue):
-            if run.resume and runs.still_stopping(Run.objects.get(pk=run.pk)):
+            if run.resume and runs.still_stopping(Run.objects.get(pk=run.pk), running):
                 own_reasons[run.pk] = "waiting: its previous agents are still stopping"
                 continue
             need, wants = run.need, run.wants

@@ -15,6 +15,7 @@ import hmac
 import json
 import os
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,8 +190,10 @@ def agent_arguments(run: Run, folder: Path, node: int | str, rdzv: str, token: s
     ]  # fmt: skip
 
 
-def agents_alive(run: Run) -> bool:
-    """Whether any of the run's node agents on this host still runs: it holds its lock file.
+def agents_alive(run: Run, running: Iterable[str] | None = None) -> bool:
+    """Whether any of the run's node agents still runs: on this host, it holds its lock file;
+    elsewhere, its host's last beat lists it (`running`: the keys the hosts that are not lost
+    run, when the caller has read them already, as a placement pass has).
 
     The lock, not a recorded pid, is the truth: a worker killed between starting an agent and
     saving its pid leaves no pid behind, but the agent still holds its lock.
@@ -198,12 +201,10 @@ def agents_alive(run: Run) -> bool:
     if any(flock_held(lock) for lock in run.run_dir.agent_locks()):
         return True
     # On other hosts a lock may not be visible from here: their workers say what they run.
+    if running is None:
+        running = {key for host in Host.objects.exclude(status=Host.Status.LOST) for key in host.running_keys()}
     prefix = agent_key(run.pk, 0).removesuffix("0")
-    return any(
-        str(item.get("key", "")).startswith(prefix)
-        for host in Host.objects.exclude(status=Host.Status.LOST)
-        for item in host.running
-    )
+    return any(key.startswith(prefix) for key in running)
 
 
 def missing_on_hosts(run: Run) -> list[str]:
