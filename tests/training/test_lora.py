@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
 
 from tests.training.test_architectures import (
     TIMEOUT,
@@ -29,7 +30,9 @@ from tools.check_parity import launch, reference_spec, step_values
 from training.checkpoint import read_metadata
 from training.config import LORA_TARGETS, DataConfig, LoraConfig, RunSpec, SpecError
 from training.export import export, export_adapter, load_model, main
+from training.initial_weights import build_meta, initial_weights, materialize
 from training.model import is_adapter
+from training.parallel.tensor import apply_tp, keep_embedding_grad_sharded
 from training.run_dir import RunDir
 
 STEPS = 4
@@ -102,6 +105,35 @@ def test_lora_is_off_by_default_and_a_full_fine_tunes_spec_reads_as_before() -> 
 
 
 # --- Training -----------------------------------------------------------------------------------
+
+
+def test_under_tp_only_the_adapters_train_and_the_model_starts_as_its_base(
+    tiny_data: DataConfig, tmp_path: Path, one_rank_group: None
+) -> None:
+    """In-process, on a one-rank tp mesh: the styles apply, distributing does not thaw the base,
+    and the hooks of a TP run without FSDP skip the frozen embedding."""
+    folder = save_model("qwen2", tmp_path / "base", Path(tiny_data.tokenizer).parent)
+    spec = spec_from(folder)
+    spec.lora = LORA
+    model = build_meta(spec.model, spec.lora)
+    apply_tp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))["tp"])
+    model.freeze_base()
+    materialize([model], torch.device("cpu"), initial_weights(spec))
+    keep_embedding_grad_sharded(model)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and trainable == {name for name, _ in model.named_parameters() if is_adapter(name)}
+
+    ids = token_ids(spec.model.vocab_size)
+    logits = model(ids)
+    with torch.no_grad():
+        assert (logits - reference(folder)(ids).logits).abs().max().item() <= TOLERANCE  # B = 0
+    logits.float().pow(2).mean().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == trainable
+    # B = 0 passes no gradient back to A on the first step; B's own gradient is A·x's.
+    assert all(grads[n].full_tensor().abs().max() > 0 for n in grads if n.endswith("lora_B.weight"))
+
+
 
 
 def test_a_dp2_tp2_lora_run_starts_at_the_base_loss_learns_as_one_process_and_resumes_bitwise(

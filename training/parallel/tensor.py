@@ -21,10 +21,11 @@ on the one DTensor after parallelizing; the gradient of both uses accumulates in
 LoRA adapters (model.LoraAdapter: A then B) are split to match their layer, so each rank adds
 its update to exactly the output it holds:
 - a column-parallel layer (q, k, v, gate, up) splits its output rows: B is split the same way
-  (Colwise) and A (rank × in) is replicated. A runs on this rank's sequence slice of the
-  replicated input (`SequenceParallel`, no communication) and its (B, T, rank) output is
-  all-gathered for B, which is cheaper than gathering nothing and running A on every token of
-  every rank. A's gradient from each rank's slice is a partial sum, which DTensor sums over tp.
+  (Colwise) and A (rank × in) is replicated (`ReplicateParallel`), applied to the replicated
+  input the layer itself reads: no communication forward. Backward, the gradient reaching A's
+  output is each rank's partial sum (its B rows' share), so A's gradient is partial too, and
+  DTensor sums it over tp (rank × in, small); the input's gradient joins the layer's own partial
+  one, reduce-scattered once with it.
 - a row-parallel layer (o, down) splits its input columns: A is split by input columns
   (Rowwise), its partial (B, T, rank) products reduce-scattered to sequence slices as o_proj's
   output is, and B is replicated and applied to the slice (`SequenceParallel`); B's gradient,
@@ -38,10 +39,12 @@ it is neither kept nor all-reduced over dp whole.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -53,6 +56,20 @@ from training.model import ADAPTERS, Transformer
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
+class ReplicateParallel(ParallelStyle):
+    """Every parameter of the module replicated over tp; its input must already be a replicated
+    DTensor, and its output stays one. torch's styles all shard something, or (SequenceParallel)
+    move the input onto sequence slices."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            # from_local, not distribute_tensor: the model is on the meta device here (nothing to
+            # broadcast), and every rank fills its copy with the same values at materialisation.
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        return module
+
+
 def adapter_plan(model: Transformer) -> dict[str, object]:
     """The styles of one block's adapters (module docstring), by their names in the block."""
     if model.lora is None:
@@ -62,8 +79,8 @@ def adapter_plan(model: Transformer) -> dict[str, object]:
         owner = "mlp" if name.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
         prefix = f"{owner}.{ADAPTERS}.{name}"
         if name in COLUMN_PARALLEL:
-            plan[f"{prefix}.lora_A"] = SequenceParallel()
-            plan[f"{prefix}.lora_B"] = ColwiseParallel(input_layouts=Shard(1))
+            plan[f"{prefix}.lora_A"] = ReplicateParallel()
+            plan[f"{prefix}.lora_B"] = ColwiseParallel()
         else:
             plan[f"{prefix}.lora_A"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
             plan[f"{prefix}.lora_B"] = SequenceParallel(use_local_output=True)
@@ -120,8 +137,8 @@ def keep_embedding_grad_sharded(model: Transformer) -> None:
     For TP without FSDP: FSDP2 reduces the gradients itself and replaces the parameters this hook
     would be registered on. Registered before the zero=0 all-reduce hooks, it runs before them.
     """
-    if model.embed_tokens is None:
-        return
+    if model.embed_tokens is None or not model.embed_tokens.weight.requires_grad:
+        return  # a LoRA run's frozen embedding has no gradient to keep sharded
 
     @torch.no_grad()
     def reshard(weight: torch.Tensor) -> None:
