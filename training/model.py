@@ -101,7 +101,7 @@ def is_adapter(name: str) -> bool:
 
 
 class LoraAdapter(nn.Module):
-    """The low-rank update of one linear layer: (alpha / rank) · B·A·dropout(x).
+    """The low-rank update of one linear layer, B·A·dropout(x); `project` adds it scaled by alpha / rank.
 
     A (rank × in) starts as PEFT starts it (kaiming-uniform, a=√5, torch's Linear default), B
     (out × rank) at zero. Two Linears, so tensor parallelism splits them with its usual styles.
@@ -122,7 +122,7 @@ class LoraAdapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
-        return self.lora_B(self.lora_A(x)) * self.scale  # (B, T, out); local columns or rows under TP
+        return self.lora_B(self.lora_A(x))  # (B, T, out), unscaled (`project` scales it); local under TP
 
 
 @torch.no_grad()
@@ -149,7 +149,11 @@ def project(linear: nn.Linear, name: str, adapters: nn.ModuleDict | None, x: tor
     """`linear(x)`, plus its adapter's update where it has one."""
     y = linear(x)
     if adapters is not None and name in adapters:
-        y = y + adapters[name](x)
+        adapter = adapters[name]
+        # Scaled within the add: one (B, T, out) temporary fewer, each a block of a CPU rank's
+        # heap that its peak memory keeps. Not in place: under TP `y` is a view a custom
+        # autograd Function returned, which may not be modified in place.
+        y = torch.add(y, adapter(x), alpha=adapter.scale)
     return y
 
 
