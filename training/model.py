@@ -150,6 +150,7 @@ def project(linear: nn.Linear, name: str, adapters: nn.ModuleDict | None, x: tor
     y = linear(x)
     if adapters is not None and name in adapters:
         adapter = adapters[name]
+        assert isinstance(adapter, LoraAdapter)
         # Scaled within the add: one (B, T, out) temporary fewer, each a block of a CPU rank's
         # heap that its peak memory keeps. Not in place: under TP `y` is a view a custom
         # autograd Function returned, which may not be modified in place.
