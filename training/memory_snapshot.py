@@ -109,10 +109,13 @@ class MemorySnapshots:
     # --- what a snapshot holds -----------------------------------------------------------------
 
     def _tensors(self) -> list[tuple[tuple[int, int, str], torch.Tensor]]:
-        """Every tensor of this rank's state, in one fixed order."""
+        """Every tensor of this rank's state, in one fixed order. A frozen parameter (a LoRA run's
+        base) is not state: training never changes it, and every start reads it again."""
         out: list[tuple[tuple[int, int, str], torch.Tensor]] = []
         for p_index, (part, opt) in enumerate(zip(self.parts, self.optimizers, strict=True)):
             for i, param in enumerate(part.parameters()):
+                if not param.requires_grad:
+                    continue
                 out.append(((p_index, i, "param"), param.detach()))
                 for key, value in sorted(opt.state.get(param, {}).items()):
                     if isinstance(value, torch.Tensor):

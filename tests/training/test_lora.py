@@ -31,9 +31,11 @@ from training.checkpoint import read_metadata
 from training.config import LORA_TARGETS, DataConfig, LoraConfig, RunSpec, SpecError
 from training.export import export, export_adapter, load_model, main
 from training.initial_weights import build_meta, initial_weights, materialize
+from training.memory_snapshot import MemorySnapshots
 from training.model import is_adapter
 from training.parallel.tensor import apply_tp, keep_embedding_grad_sharded
 from training.run_dir import RunDir
+from training.trainer import build_optimizer
 
 STEPS = 4
 RESUME_AT = 2
@@ -163,6 +165,32 @@ def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(runs: LoraRuns)
     optim_keys = [k for k in stored if k.startswith("optim.state.")]
     assert optim_keys and all(is_adapter(k.removeprefix("optim.state.")) for k in optim_keys)
     assert read_metadata(runs.checkpoint)["lora_base"] == str(runs.folder)
+
+
+def test_an_in_memory_snapshot_of_a_lora_rank_holds_the_adapters_and_restores_them(
+    tiny_data: DataConfig, tmp_path: Path
+) -> None:
+    folder = save_model("qwen2", tmp_path / "base", Path(tiny_data.tokenizer).parent)
+    spec = spec_from(folder)
+    spec.lora = LORA
+    model = build_meta(spec.model, spec.lora)
+    materialize([model], torch.device("cpu"), initial_weights(spec))
+    optimizer = build_optimizer(model, spec.train)
+    model(token_ids(spec.model.vocab_size)).float().pow(2).mean().backward()
+    optimizer.step()
+    snapshots = MemorySnapshots(RunDir(tmp_path / "run"), rank=0, identity={}, parts=[model], optimizers=[optimizer])
+    snapshots.take(1, {})
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    # Each adapter with AdamW's two moments (and step counts), never the frozen base.
+    assert snapshots._data_file(0).stat().st_size < 4 * adapter_bytes
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    snapshots.restore(1)
+    assert all(torch.equal(p, adapters[n]) for n, p in model.named_parameters() if p.requires_grad)
+    snapshots.close()
 
 
 # --- Exports ------------------------------------------------------------------------------------
