@@ -437,8 +437,10 @@ class Trainer:
         """What an in-memory snapshot keeps beside the tensors."""
         return {
             "sampler": sampler,
-            # The model draws no random numbers (no dropout), so the generators' state now is the
-            # held step's too.
+            # Only LoRA's dropout draws (in forward): a periodic snapshot is taken between steps,
+            # so the generators' state now is the held step's. One taken at a failure mid-step
+            # keeps draws that step made, so a LoRA run with dropout resumed from it draws other
+            # masks than the uninterrupted run; without dropout nothing draws.
             "rng": rng_state(),
             "checkpoint_policy": policy.state_dict(),
             "at_failure": at_failure,
