@@ -59,9 +59,11 @@ def test_three_runs_chosen_in_the_list_compare_curve_by_curve_with_their_spec_di
 
     # Exactly the fields that differ, one column per run in the order chosen.
     rows = page.locator("#spec-diff tbody tr")
-    expect(rows).to_have_count(2)
-    assert sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.field)")) == ["model.dim", "train.lr"]
+    expect(rows).to_have_count(4)  # the wider model's head size and MLP width follow its dim
+    fields = sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.field)"))
+    assert fields == ["model.dim", "model.ffn_dim", "model.head_dim", "train.lr"]
     expect(page.locator('#spec-diff tr[data-field="model.dim"] td')).to_have_text(["128", "128", "256"])
+    expect(page.locator('#spec-diff tr[data-field="model.head_dim"] td')).to_have_text(["32", "32", "64"])
     expect(page.locator('#spec-diff tr[data-field="train.lr"] td')).to_have_text(["0.003", "0.001", "0.001"])
     expect(page.locator('#figures tr[data-figure="best.loss"] td')).to_have_text(["4.5 @ 4", "5.1 @ 4", "4.4 @ 3"])
     screenshot(page, "compare-desktop.png")
@@ -69,7 +71,7 @@ def test_three_runs_chosen_in_the_list_compare_curve_by_curve_with_their_spec_di
     page.get_by_label("show all fields").check()
     expect(page.locator('#spec-diff tr[data-field="layout.dp"]')).to_have_attribute("data-differs", "false")
     assert rows.count() > 20
-    expect(page.locator('#spec-diff tr[data-differs="true"]')).to_have_count(2)
+    expect(page.locator('#spec-diff tr[data-differs="true"]')).to_have_count(4)
     assert "all=1" in page.url
 
     page.get_by_label("log scale").check()

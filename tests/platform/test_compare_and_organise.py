@@ -44,9 +44,12 @@ def test_compare_diff_holds_exactly_the_fields_that_differ(alice_api, three_runs
     body = response.json()
     assert [r["id"] for r in body["runs"]] == [base.pk, lower_lr.pk, wider.pk]
     rows = {row["field"]: row["values"] for row in body["spec"]}
-    assert set(rows) == {"train.lr", "train.global_batch", "model.dim"}
+    # A wider model has wider heads and MLP too: derived from its dim, they differ with it.
+    assert set(rows) == {"train.lr", "train.global_batch", "model.dim", "model.head_dim", "model.ffn_dim"}
     assert rows["train.lr"] == [base.spec["train"]["lr"], 1e-3, 1e-3]
     assert rows["model.dim"] == [128, 128, 256]
+    assert rows["model.head_dim"] == [32, 32, 64]
+    assert rows["model.ffn_dim"] == [384, 384, 704]
     assert all(row["differs"] for row in body["spec"])
 
     everything = alice_api.get(f"/api/runs/compare/?ids={base.pk},{lower_lr.pk}&all=1").json()
