@@ -41,10 +41,17 @@ def need_of(spec: dict[str, Any]) -> Need:
 
 
 @functools.lru_cache(maxsize=4096)
+def parsed_json(text: str | None) -> Any:
+    """A JSON text's value ({} for none), decoded once per distinct text: a pass reads a field of
+    thousands of runs, of which few differ. Shared by every caller that reads the same text, so
+    never changed by one."""
+    return json.loads(text) if text else {}
+
+
+@functools.lru_cache(maxsize=4096)
 def need_of_json(layout: str | None, nodes: str | None) -> Need:
-    """`need_of` a spec whose `layout` and `nodes` are given as their JSON texts: what a pass
-    reads of thousands of runs, of which few differ, so each distinct pair is decoded once."""
-    return need_of({"layout": json.loads(layout) if layout else {}, "nodes": json.loads(nodes) if nodes else {}})
+    """`need_of` a spec whose `layout` and `nodes` are given as their JSON texts."""
+    return need_of({"layout": parsed_json(layout), "nodes": parsed_json(nodes)})
 
 
 def wanted_kinds(spec: dict[str, Any], cluster_has_gpus: bool) -> tuple[str, ...]:

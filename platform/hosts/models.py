@@ -10,6 +10,11 @@ from django.db import models
 from serving.vllm import DeviceInfo
 
 
+def running_keys(running: list[Any]) -> set[str]:
+    """The keys of what a host's beat says it runs (`run-7-node-1`, `deployment-3`)."""
+    return {str(item.get("key", "")) for item in running if isinstance(item, dict)}
+
+
 class Host(models.Model):
     """A machine whose host worker joined with the cluster's join token and heartbeats with the
     secret it was given then.
@@ -49,10 +54,6 @@ class Host(models.Model):
     @property
     def queue(self) -> str:
         return f"host.{self.name}"
-
-    def running_keys(self) -> set[str]:
-        """The keys of what the host's last beat said it runs (`run-7-node-1`, `deployment-3`)."""
-        return {str(item.get("key", "")) for item in self.running if isinstance(item, dict)}
 
     @property
     def device_kind(self) -> str:

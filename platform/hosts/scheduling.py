@@ -16,7 +16,6 @@ labels match its selector (`resources.labels`). A placement is `DeviceClaim` row
 from __future__ import annotations
 
 import functools
-import json
 import random
 import re
 from collections import defaultdict
@@ -33,9 +32,9 @@ from django.utils import timezone
 
 from controlplane.bulk import insert_rows
 from hosts import capacity
-from hosts.capacity import Need, devices_word, gib, need_of, need_of_json, release, wanted_kinds
+from hosts.capacity import Need, devices_word, gib, need_of, need_of_json, parsed_json, release, wanted_kinds
 from hosts.gang import matching, place, waiting_reason
-from hosts.models import DeviceClaim, Host
+from hosts.models import DeviceClaim, Host, running_keys
 from hosts.quotas import Policy, share_of
 from hosts.reservation import ACTIVE_PLACED, Reservation, ending_runs, preempting_for, preemption, reserve
 from runs.models import Run
@@ -150,7 +149,7 @@ class RunsSide(Protocol):
 
 class Queued(NamedTuple):
     """What a pass reads of a queued run: a tuple, not a model (a queue of thousands), and of its
-    spec only what placement needs, decided once per distinct spec (`_wants_of`)."""
+    spec only what placement needs, decided once per distinct spec (`_shape`)."""
 
     pk: int
     owner_id: int
@@ -166,7 +165,7 @@ class Queued(NamedTuple):
 
 
 def read_queue(cluster_has_gpus: bool) -> list[Queued]:
-    # The JSON columns come as text and each distinct text is parsed once (`_parsed`, `_shape`):
+    # The JSON columns come as text and each distinct text is parsed once (`capacity.parsed_json`, `_shape`):
     # a queue of thousands has a few dozen shapes, and decoding every row's five fields was most
     # of a pass.
     text = functools.partial(Cast, output_field=TextField())
@@ -176,21 +175,14 @@ def read_queue(cluster_has_gpus: bool) -> list[Queued]:
     )  # fmt: skip
     return [
         Queued(pk, owner, project, priority, resume, reason, last_seq, *_shape(layout, nodes, resources, cluster_has_gpus),
-               _parsed(memory), _parsed(held))  # fmt: skip
+               parsed_json(memory), parsed_json(held))  # fmt: skip
         for pk, owner, project, priority, resume, reason, last_seq, layout, nodes, resources, memory, held in rows
     ]
 
 
 @functools.lru_cache(maxsize=4096)
-def _parsed(text: str | None) -> Any:
-    """A JSON text's value ({} for none). Shared by every run whose field reads the same: readers
-    of a `Queued` never change what it holds."""
-    return json.loads(text) if text else {}
-
-
-@functools.lru_cache(maxsize=4096)
 def _shape(layout: str | None, nodes: str | None, resources: str | None, cluster_has_gpus: bool) -> tuple[Need, Wants]:
-    return need_of_json(layout, nodes), Wants.of({"resources": _parsed(resources)}, cluster_has_gpus)
+    return need_of_json(layout, nodes), Wants.of({"resources": parsed_json(resources)}, cluster_has_gpus)
 
 
 class Pass:
@@ -318,7 +310,7 @@ def schedule(runs: RunsSide) -> list[int]:
         has_gpus = any(h.device_kind == "gpu" for h in hosts)
         queue = read_queue(has_gpus)
         # What the hosts run, read once: whether a resumed run's earlier agents still stop.
-        running = {key for h in hosts if h.status != Host.Status.LOST for key in h.running_keys()}
+        running = {key for h in hosts if h.status != Host.Status.LOST for key in running_keys(h.running)}
         candidates: dict[tuple[Any, ...], dict[str, list[Host]]] = {((), ()): this.ready}
         # The least device memory a ready host of each kind reports (hosts that report none hold anything).
         smallest = {

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from controlplane.exceptions import WrongState
 from controlplane.queue import enqueue_on_commit
-from hosts.models import Host
+from hosts.models import Host, running_keys
 from hosts.scheduling import orphans_on
 from launch.run_agents import send_to_host
 
@@ -68,10 +68,6 @@ def do_remove(host: Host) -> None:
     log.info("host %s removed", host.name)
 
 
-def _keys(running: list[Any]) -> set[str]:
-    return {str(p.get("key")) for p in running if isinstance(p, dict)}
-
-
 def do_heartbeat(
     name: str,
     address: str,
@@ -103,7 +99,7 @@ def do_heartbeat(
             came_back = host.status == Host.Status.LOST
             grew = host.devices != devices or host.address != address
             # An agent or supervisor that exited may leave devices its ended work still held.
-            exited = _keys(host.running) - _keys(running)
+            exited = running_keys(host.running) - running_keys(running)
             host.cores, host.cpu_flags = cores, cpu_flags or []
             host.address, host.devices, host.labels, host.running, host.last_seen = (
                 address,

@@ -24,7 +24,7 @@ from django.utils.crypto import salted_hmac
 
 from controlplane.celery import app
 from controlplane.processes import flock_held, is_alive, start_detached
-from hosts.models import DeviceClaim, Host
+from hosts.models import DeviceClaim, Host, running_keys
 from runs.models import Run
 from training.ports import listen_port
 from training.run_dir import RunDir
@@ -202,7 +202,7 @@ def agents_alive(run: Run, running: Iterable[str] | None = None) -> bool:
         return True
     # On other hosts a lock may not be visible from here: their workers say what they run.
     if running is None:
-        running = {key for host in Host.objects.exclude(status=Host.Status.LOST) for key in host.running_keys()}
+        running = {key for host in Host.objects.exclude(status=Host.Status.LOST) for key in running_keys(host.running)}
     prefix = agent_key(run.pk, 0).removesuffix("0")
     return any(key.startswith(prefix) for key in running)
 

@@ -18,6 +18,7 @@ from tests.training.test_architectures import save_model
 from tests.training.test_architectures import spec_from as architecture_spec_from
 from tests.training.test_pretrained import llama_style_folder, spec_from
 from tools.check_parity import launch
+from training.config import RunSpec
 from training.demo import corpus as demo_corpus
 from training.export import export
 from training.run_dir import RunDir
@@ -32,7 +33,11 @@ NEW_TOKENS = 8
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("pretrained-export")
     corpus = demo_corpus.write(tmp / "corpus.txt", n_documents=300)
-    spec = spec_from(llama_style_folder(tmp / "llama", corpus), dataset=str(corpus))
+    return two_step_export(spec_from(llama_style_folder(tmp / "llama", corpus), dataset=str(corpus)), tmp)
+
+
+def two_step_export(spec: RunSpec, tmp: Path) -> Path:
+    """The export of `spec` trained two steps (one checkpoint) in `tmp`."""
     spec.train.steps = 2
     spec.train.warmup_steps = 1
     spec.train.checkpoint_interval = 2
@@ -48,14 +53,7 @@ def qwen3_exported(tmp_path_factory: pytest.TempPathFactory, exported: Path) -> 
     computes) that uses the Llama folder's tokenizer."""
     tmp = tmp_path_factory.mktemp("qwen3-export")
     corpus = demo_corpus.write(tmp / "corpus.txt", n_documents=300)
-    spec = architecture_spec_from(save_model("qwen3", tmp / "qwen3", exported), dataset=str(corpus))
-    spec.train.steps = 2
-    spec.train.warmup_steps = 1
-    spec.train.checkpoint_interval = 2
-    launch(spec, tmp / "run", 600)
-    checkpoint = RunDir(tmp / "run").latest_checkpoint()
-    assert checkpoint is not None
-    return export(checkpoint, tmp / "exported")
+    return two_step_export(architecture_spec_from(save_model("qwen3", tmp / "qwen3", exported), dataset=str(corpus)), tmp)
 
 
 OPTIONS = ReplicaOptions(max_model_len=64, max_num_seqs=4, kv_cache_gib=1, enforce_eager=True, dtype="float32")

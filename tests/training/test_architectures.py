@@ -19,12 +19,12 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from tests.training.test_checkpoint import resume_from
-from tests.training.test_initial_weights import materialize_under
+from tests.training.test_initial_weights import assert_materialized_is_eager, materialize_under
 from tools.check_parity import launch, reference_spec, step_values
 from training.config import DataConfig, ModelConfig, RunSpec, SpecError, tiny
 from training.data import TOKENIZER_FILES, ShardedSampler, TokenWindows, prepare_data
 from training.export import export, load_model
-from training.initial_weights import PretrainedWeights, SeededInit, build_meta, materialize
+from training.initial_weights import PretrainedWeights, build_meta, materialize
 from training.model import Transformer
 from training.pretrained import resolve
 from training.run_dir import RunDir
@@ -136,14 +136,7 @@ def test_the_seeded_init_replays_the_eager_draws_biases_included(architecture: s
         n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=SEQ_LEN,
         architecture=architecture, head_dim=32, tie_embeddings=True,
     )  # fmt: skip
-    torch.manual_seed(5)
-    eager = Transformer(cfg)
-    next_eager = torch.rand(4)
-    model = build_meta(cfg)
-    materialize([model], torch.device("cpu"), SeededInit(cfg, seed=5))
-    assert torch.equal(torch.rand(4), next_eager)
-    for (name, a), (_, b) in zip(eager.named_parameters(), model.named_parameters(), strict=True):
-        assert torch.equal(a, b), name
+    eager = assert_materialized_is_eager(cfg, seed=5)
     if architecture == "qwen2":
         assert not eager.layers["0"].self_attn.q_proj.bias.any()  # type: ignore[union-attr]
 

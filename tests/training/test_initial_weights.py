@@ -34,18 +34,25 @@ def test_drawing_a_tensor_in_slabs_draws_what_drawing_it_whole_does(
     assert torch.equal(torch.rand(4), next_whole)  # the generator ends where it ended
 
 
-def test_a_materialized_model_is_the_eager_model_of_the_same_seed() -> None:
-    cfg = tiny().model
-    torch.manual_seed(3)
+def assert_materialized_is_eager(cfg: ModelConfig, seed: int) -> Transformer:
+    """A model built on meta and filled by `SeededInit(cfg, seed)` holds every parameter and
+    buffer `torch.manual_seed(seed); Transformer(cfg)` holds, and leaves the generator where
+    that leaves it; returns the eager model."""
+    torch.manual_seed(seed)
     eager = Transformer(cfg)
     next_eager = torch.rand(4)
     model = build_meta(cfg)
-    materialize([model], torch.device("cpu"), SeededInit(cfg, seed=3))
+    materialize([model], torch.device("cpu"), SeededInit(cfg, seed=seed))
     assert torch.equal(torch.rand(4), next_eager)
     for (name, a), (_, b) in zip(eager.named_parameters(), model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     for (name, a), (_, b) in zip(eager.named_buffers(), model.named_buffers(), strict=True):
         assert torch.equal(a, b), name
+    return eager
+
+
+def test_a_materialized_model_is_the_eager_model_of_the_same_seed() -> None:
+    assert_materialized_is_eager(tiny().model, seed=3)
 
 
 def materialize_under(spec: RunSpec, tmp_path: Path) -> list[dict[str, Any]]:
