@@ -30,7 +30,7 @@ REDIS_TEST_URL ?= redis://127.0.0.1:6379/0
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip 2>&1 | { grep -v "is ignored: it is neither" || true; }
-	$(BIN)/pip install --quiet -e '.[test]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	$(BIN)/pip install --quiet --no-compile -e '.[test]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
 	touch $@
 
 venv: $(STAMP)
@@ -59,16 +59,16 @@ lint: venv
 types: venv
 	$(BIN)/mypy training serving hostworker platform
 
-# The whole suite on the embedded default (SQLite, filesystem broker, in-memory channel layer),
-# ending with its 30 slowest tests and its time by file and by what the tests start
-# (docs/testing.md keeps these tables).
+# The whole suite on the embedded default (SQLite, filesystem broker, in-memory channel layer) but
+# the tests marked `services`, which only the next tier runs; it ends with its 30 slowest tests and
+# its time by file and by what the tests start (docs/testing.md keeps these tables).
 test-embedded: venv
-	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q $(WORKERS) --durations=30 --timings=$$d/timings.jsonl \
+	d=$$(mktemp -d /tmp/fathom-test-XXXX) && FATHOM_DATA_DIR=$$d $(BIN)/python -m pytest tests -q $(WORKERS) -m "not services" --durations=30 --timings=$$d/timings.jsonl \
 		&& $(BIN)/python -m tools.test_timings $$d/timings.jsonl
 
 # The control-plane tests again on PostgreSQL + Redis: every API, database and channel-layer test,
-# and the run lifecycle end to end (marked `services`). The other slow ones (namespace hosts, Slurm,
-# object storage, the schema fuzz, vLLM) ran above on SQLite; what they ask of the database
+# and the run lifecycle end to end (marked `services`: it runs here only). The other slow ones
+# (namespace hosts, Slurm, object storage, the schema fuzz, vLLM) ran above on SQLite; what they ask of the database
 # (placement's locked transactions, host and job rows) is tested here by the fast tests of it.
 test-services: venv services
 	d=$$(mktemp -d /tmp/fathom-test-pg-XXXX) && FATHOM_DATA_DIR=$$d DATABASE_URL=$(POSTGRES_URL) REDIS_URL=$(REDIS_TEST_URL) \

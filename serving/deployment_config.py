@@ -32,6 +32,10 @@ class DeploymentConfig:
     state_dir: str  # this deployment's folder (serving.state.DeploymentDir)
     python: str  # interpreter of the vLLM environment (tools/vllm_env.sh prints it)
     replicas: int = 1
+    # LoRA adapters served on the export as their own models: model name → a PEFT adapter folder
+    # (`adapter_config.json`, `adapter_model.safetensors`). Replicas start with them; a change
+    # reaches running replicas without a restart (`request_adapters`). Needs options.max_loras.
+    adapters: dict[str, str] = field(default_factory=dict)
     # The deployment's number of this supervisor's first replica: a deployment spread over hosts
     # runs one supervisor per host, on replicas first_replica … first_replica + replicas - 1.
     first_replica: int = 0
@@ -97,6 +101,7 @@ class DeploymentConfig:
             raise OptionError("first_replica", f"must be an integer from 0 to {MAX_REPLICAS - 1}; got {self.first_replica!r}")
         if isinstance(self.options, dict):
             object.__setattr__(self, "options", ReplicaOptions.from_dict(self.options))
+        self._check_adapters()
         object.__setattr__(self, "cpu_binds", tuple(self.cpu_binds))
         ports = tuple(self.ports)
         object.__setattr__(self, "ports", ports)
@@ -112,6 +117,19 @@ class DeploymentConfig:
             if not isinstance(value, (int, float)) or value <= 0:
                 raise OptionError(name, f"must be a positive number of seconds; got {value!r}")
 
+    def _check_adapters(self) -> None:
+        if not isinstance(self.adapters, dict):
+            raise OptionError("adapters", f"must map model names to adapter folders; got {self.adapters!r}")
+        for adapter, folder in self.adapters.items():
+            if not isinstance(adapter, str) or not adapter or any(c.isspace() for c in adapter) or adapter == self.name:
+                raise OptionError(
+                    "adapters", f"an adapter's name must be a model name without spaces other than {self.name!r}; got {adapter!r}"
+                )
+            if not isinstance(folder, str) or not folder:
+                raise OptionError("adapters", f"adapter {adapter!r} must name its folder; got {folder!r}")
+        if self.adapters and not self.options.max_loras:
+            raise OptionError("max_loras", "must be at least 1 for a deployment that serves adapters")
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeploymentConfig:
         if "checkpoint" in data and "export" not in data:  # a config file written before the rename
@@ -125,6 +143,7 @@ class DeploymentConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["cpu_binds"] = list(self.cpu_binds)
+        data["adapters"] = dict(self.adapters)
         data["ports"] = list(self.ports)
         return data
 

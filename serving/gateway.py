@@ -8,6 +8,7 @@ OpenAI's shape. Django's ASGI view (after authenticating the API key) and the st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -28,7 +29,11 @@ class ServedDeployment:
 
 
 class Gateway:
-    """Deployments by model name. Add or remove them as the control plane starts and stops them."""
+    """Deployments by model name. Add or remove them as the control plane starts and stops them.
+
+    A deployment's LoRA adapters are models of their own, named as its replicas serve them
+    (`Router.adapters`, read off the state file): checked as the base model is, routed to the
+    replicas that serve them, listed in /v1/models with the base as their `parent`."""
 
     def __init__(self) -> None:
         self._deployments: dict[str, ServedDeployment] = {}
@@ -45,19 +50,30 @@ class Gateway:
         for name in list(self._deployments):
             await self.remove(name)
 
+    def _served(self) -> dict[str, tuple[ServedModel, ServedDeployment]]:
+        """Every model name served now (the deployments' and their adapters') → its model and deployment."""
+        served = {}
+        for name, deployment in self._deployments.items():
+            for adapter in deployment.router.adapters() - self._deployments.keys():
+                served[adapter] = (dataclasses.replace(deployment.model, name=adapter), deployment)
+            served[name] = (deployment.model, deployment)
+        return served
+
     def models(self) -> dict[str, Any]:
-        """The `/v1/models` answer."""
+        """The `/v1/models` answer: each deployment's model, and each adapter with its base as `parent`."""
+        now = int(time.time())
         return {
             "object": "list",
             "data": [
                 {
                     "id": name,
                     "object": "model",
-                    "created": int(time.time()),
+                    "created": now,
                     "owned_by": "fathom",
-                    "max_model_len": d.model.max_model_len,
+                    "max_model_len": model.max_model_len,
+                    **({"parent": deployment.model.name} if name != deployment.model.name else {}),
                 }
-                for name, d in sorted(self._deployments.items())
+                for name, (model, deployment) in sorted(self._served().items())
             ],
         }
 
@@ -67,10 +83,11 @@ class Gateway:
                 body = json.loads(raw_body or b"null")
             except ValueError as exc:
                 raise invalid_request(f"the request body is not valid JSON: {exc}") from exc
-            model = check_request(path, body, {n: d.model for n, d in self._deployments.items()})
+            served = self._served()
+            model = check_request(path, body, {name: model for name, (model, _) in served.items()})
         except OpenAIError as error:
             return error_response(error)
-        return await self._deployments[model.name].router.forward(path, body, weight=request_weight(path, body))
+        return await served[model.name][1].router.forward(path, body, weight=request_weight(path, body))
 
 
 def deployment_gateway(*, name: str, max_model_len: int, checkpoint: str, state_dir: str | Path) -> Gateway:

@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 class ReplicaEndpoint:
     key: str  # stable identity across re-reads (the url: a restarted replica gets a new port)
     url: str
+    # The LoRA adapters it serves besides the base model (the requests for one go only to
+    # replicas that serve it).
+    adapters: frozenset[str] = frozenset()
 
 
 class ReplicaSource(Protocol):
@@ -99,7 +102,7 @@ class StateFileReplicas:
             except (OSError, ValueError, KeyError, TypeError):
                 return self._endpoints  # mid-replace on an odd filesystem: keep the last view
             routable = state.routable() if state is not None else []
-            self._endpoints = [ReplicaEndpoint(r.url, r.url) for r in routable if r.url]
+            self._endpoints = [ReplicaEndpoint(r.url, r.url, frozenset(r.adapters)) for r in routable if r.url]
             self._stamp = stamp
         return self._endpoints
 
@@ -322,7 +325,13 @@ class Router:
         """Requests in flight per replica key (streams count until their last byte)."""
         return {k: v for k, v in self._outstanding.items() if v}
 
-    def routable(self) -> list[Backend]:
+    def adapters(self) -> set[str]:
+        """The LoRA adapters some replica serves now: model names besides the router's own."""
+        return {name for endpoint in self._source.endpoints() for name in endpoint.adapters}
+
+    def routable(self, model: str | None = None) -> list[Backend]:
+        """The replicas that may take a request now; for `model`, those that serve it (all of
+        them serve the base model, an adapter only those that loaded it)."""
         now = time.monotonic()
         live = []
         endpoints = self._source.endpoints()
@@ -330,6 +339,8 @@ class Router:
             self._forget_gone({e.key for e in endpoints})
         for endpoint in endpoints:
             if self._ejected_until.get(endpoint.key, 0.0) > now:
+                continue
+            if model is not None and model != self.model and model not in endpoint.adapters:
                 continue
             backend = self._backends.get(endpoint.key)
             if backend is None:
@@ -346,8 +357,8 @@ class Router:
                 self._outstanding.pop(key, None)
                 self._ejected_until.pop(key, None)
 
-    def pick(self, exclude: AbstractSet[str] = frozenset()) -> Backend | None:
-        candidates = [b for b in self.routable() if b.key not in exclude]
+    def pick(self, exclude: AbstractSet[str] = frozenset(), model: str | None = None) -> Backend | None:
+        candidates = [b for b in self.routable(model) if b.key not in exclude]
         if not candidates:
             return None
         least = min(self._outstanding.get(b.key, 0) for b in candidates)
@@ -378,7 +389,8 @@ class Router:
         payload = json.dumps(body).encode()
         tried: set[str] = set()
         last_failure = ""
-        while (backend := self.pick(tried)) is not None:
+        model = body.get("model")
+        while (backend := self.pick(tried, model if isinstance(model, str) else None)) is not None:
             tried.add(backend.key)
             self._acquire(backend.key, weight)
             try:
@@ -405,7 +417,7 @@ class Router:
             return await self._whole(backend.key, weight, upstream)
         if last_failure:
             return error_response(upstream_failed(f"no replica could be reached (last: {last_failure})"))
-        return error_response(no_replica_available(self.model))
+        return error_response(no_replica_available(model if isinstance(model, str) else self.model))
 
     def _stream(self, key: str, weight: int, upstream: UpstreamResponse, tap: UsageTap) -> RelayStream:
         return RelayStream(

@@ -33,13 +33,13 @@ import dataclasses
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 EventKind = Literal[
     "replica_starting", "replica_ready", "replica_unhealthy", "replica_died", "replica_restarting",
-    "replica_failed", "replica_stopped",
+    "replica_failed", "replica_stopped", "replica_adapters",
 ]  # fmt: skip
 # ready: routers may send requests. unhealthy: running but failing /health, routers skip it.
 # draining: finishing outstanding requests before stop, routers skip it. failed: it died the
@@ -117,9 +117,16 @@ class ReplicaEvent:
     exit_code: int | None = None  # replica_died: the exit status, negative for a signal
     delay_s: float | None = None  # replica_restarting: backoff before the next start
     message: str = ""
+    # replica_adapters: the LoRA adapters a running replica loaded and unloaded (by name)
+    loaded: list[str] = field(default_factory=list)
+    unloaded: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        for name in ("loaded", "unloaded"):  # only replica_adapters events say them
+            if not data[name]:
+                del data[name]
+        return data
 
 
 @dataclass(kw_only=True)
@@ -134,6 +141,8 @@ class ReplicaState:
     log: str = ""
     started_at: float | None = None
     ready_at: float | None = None
+    # The LoRA adapters it serves (their model names) besides the deployment's base model.
+    adapters: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,9 @@ the deployment's folder (`serving.state`), which any process can read without ta
   `replica_died`, `replica_restarting`, `replica_stopped`), for the control plane to store as it
   stores run events.
 
-SIGTERM (see `request_stop`) drains every replica, stops it and exits.
+SIGTERM (see `request_stop`) drains every replica, stops it and exits. SIGHUP (see
+`serving.replica_adapters.request_adapters`) re-reads the config file's LoRA adapters and loads
+or unloads them on the running replicas, restarting none.
 
 A checkpoint on object storage (an export URL) is downloaded into this host's cache, checked,
 before any replica starts (`serving.export_store`); replicas serve that local copy.
@@ -47,6 +49,7 @@ import httpx
 from hostworker.started_environment import StartedEnvironment
 from serving import export_store
 from serving.deployment_config import DeploymentConfig, replica_gpus
+from serving.replica_adapters import bring_to
 from serving.replica_metrics import parse_prometheus
 from serving.shipper import shipper_for
 from serving.state import (
@@ -61,6 +64,7 @@ from serving.state import (
     write_state,
 )
 from serving.vllm import LaunchSpec, replica_launch
+from training.field_error import FieldError
 from training.ports import listen_port
 
 # Run the replica's own argv after asking the kernel to SIGTERM it when its parent (this
@@ -124,7 +128,8 @@ def _read_from(path: Path, offset: int) -> str:
 
 def _start_failure(starts: int, life: Life) -> str:
     said = life.error or "its log names no error"
-    return f"failed the same way at {starts} starts in a row ({life.message}): {said}"
+    how = "at its only start" if starts == 1 else f"the same way at {starts} starts in a row"
+    return f"failed {how} ({life.message}): {said}"
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:
@@ -150,6 +155,10 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._client: httpx.AsyncClient | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        # The adapters replicas serve now (config.adapters until `set_adapters`), and one lock a
+        # replica so that two changes never load onto it at once.
+        self._adapters = dict(config.adapters)
+        self._adapter_locks = {r.index: asyncio.Lock() for r in self._replicas}
         # On a CPU host the host worker names the cores of each slot it claimed for this
         # supervisor: replica i's engine threads run on slot i's.
         self._host_slot_binds = (
@@ -200,6 +209,26 @@ class Supervisor:
         self._write_state()
         if self._client:
             await self._client.aclose()
+
+    async def set_adapters(self, adapters: dict[str, str]) -> None:
+        """Serve these adapters from now on: ready replicas load and unload theirs now, starting
+        ones when they are ready, later ones from the start."""
+        self._adapters = dict(adapters)
+        await asyncio.gather(
+            *(self._sync_adapters(r) for r in self._replicas if r.phase in ("ready", "unhealthy") and r.url)
+        )
+
+    async def _sync_adapters(self, replica: ReplicaState) -> None:
+        assert self._client is not None and replica.url
+        async with self._adapter_locks[replica.index]:
+            change = await bring_to(self._client, replica.url, replica.adapters, self._adapters)
+        if change:
+            failed = "; ".join(f"{name}: {why}" for name, why in change.failed.items())
+            self._emit(
+                "replica_adapters", replica, loaded=change.loaded, unloaded=change.unloaded,
+                message=f"could not load or unload {failed}" if failed else "",
+            )  # fmt: skip
+            self._write_state()
 
     # -- one replica's life ---------------------------------------------------------------
 
@@ -255,6 +284,7 @@ class Supervisor:
                 # before any router sends it a user's request.
                 if await self._generates(launch.url):
                     became_ready = True
+                    await self._sync_adapters(replica)  # changed while it started
                     self._set_phase(replica, "ready", event="replica_ready", ready_at=time.time())
                     message = await self._watch(replica, proc, launch)
                     stayed_ready = bool(replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s)
@@ -303,7 +333,7 @@ class Supervisor:
         launch = replica_launch(
             cfg.options, cfg.export,
             served_model_name=cfg.name, port=port, python=cfg.python,
-            state_dir=self._state_dir, host=cfg.host, cpu_threads_bind=bind, gpus=gpus,
+            state_dir=self._state_dir, host=cfg.host, cpu_threads_bind=bind, gpus=gpus, adapters=self._adapters,
         )  # fmt: skip
         Path(launch.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)  # may lie outside state_dir
         log_path = self._folder.replica_log(replica.index)
@@ -322,6 +352,7 @@ class Supervisor:
         self._set_phase(
             replica, "starting", event="replica_starting",
             port=launch.port, pid=proc.pid, url=launch.url, log=str(log_path), started_at=time.time(), ready_at=None,
+            adapters=sorted(self._adapters),
         )  # fmt: skip
         return proc, launch
 
@@ -525,12 +556,25 @@ def request_stop(state_dir: str | Path) -> bool:
     return True
 
 
-async def _serve(config: DeploymentConfig) -> None:
+async def _serve(config: DeploymentConfig, config_file: Path) -> None:
     supervisor = Supervisor(config, on_event=lambda e: print(json.dumps(e.to_dict()), flush=True))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    changes: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
+
+    def adapters_changed() -> None:
+        try:
+            adapters = DeploymentConfig.from_dict(json.loads(config_file.read_text())).adapters
+        except (OSError, ValueError, FieldError) as exc:
+            print(f"fathom: SIGHUP, but {config_file} could not be read: {exc}", flush=True)
+            return
+        change = loop.create_task(supervisor.set_adapters(adapters))
+        changes.add(change)
+        change.add_done_callback(changes.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, adapters_changed)
     await supervisor.start()
     if config.owner_pid is not None:
         await _until_stopped_or_orphaned(stop, config.owner_pid, config.health_interval_s)
@@ -582,7 +626,7 @@ def main(argv: list[str] | None = None) -> None:
         except export_store.ExportStoreError as exc:
             print(f"fathom: deployment {config.name}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-        asyncio.run(_serve(dataclasses.replace(config, export=served)))
+        asyncio.run(_serve(dataclasses.replace(config, export=served), Path(args.config)))
     finally:
         if shipper is not None:
             # The stopped replicas' state and the last log lines; a control plane away this long

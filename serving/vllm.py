@@ -58,6 +58,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8_weight_only", "int8_w8a8", "fp8", "int4"]
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The adapter ranks vLLM's LoRA layers are built for (`--max-lora-rank`, vllm/config/lora.py).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # How long a replica keeps an idle HTTP connection open (vLLM's default is 5 s): longer than the
 # router keeps its own (serving.router.Timeouts.keepalive_s), so the router closes first.
@@ -118,6 +120,10 @@ class ReplicaOptions:
     # mistral, …). With one, /v1 takes tools with tool_choice "auto" (`--enable-auto-tool-choice`),
     # "required" or a named function; without, vLLM answers those with a 400 and only "none" works.
     tool_call_parser: str | None = None
+    # LoRA adapters on this base (`--enable-lora`): how many one batch may mix (`--max-loras`;
+    # 0: no adapters, and none of LoRA's cost), and the largest adapter rank they may have.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         _choice("device", self.device, get_args(Device))
@@ -191,6 +197,12 @@ class ReplicaOptions:
             f"must be the name of one of vLLM's tool parsers (hermes, llama3_json, mistral, …); "
             f"got {self.tool_call_parser!r}",
         )
+        _require(
+            _is_int(self.max_loras) and 0 <= self.max_loras <= 64,
+            "max_loras",
+            f"must be an integer from 0 (no adapters) to 64; got {self.max_loras!r}",
+        )
+        _choice("max_lora_rank", self.max_lora_rank, MAX_LORA_RANKS)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ReplicaOptions:
@@ -494,11 +506,13 @@ def replica_launch(
     host: str = "127.0.0.1",
     cpu_threads_bind: str | None = None,
     gpus: str | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> LaunchSpec:
     """The command and environment for one replica. `state_dir` holds vLLM's cache and temporary
     files so that a replica leaves nothing elsewhere; `cpu_threads_bind` overrides the options'
     and `gpus` (CUDA_VISIBLE_DEVICES) picks the replica's GPUs (the supervisor gives each
-    replica its own cores or GPUs)."""
+    replica its own cores or GPUs). `adapters` (model name → PEFT folder) are served from the
+    start; with `max_loras` set, more can be loaded while it runs (`serving.replica_adapters`)."""
     state = Path(state_dir)
     argv = [
         python, "-m", VLLM_SERVER_MODULE,
@@ -525,6 +539,12 @@ def replica_launch(
         argv += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
     if options.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(options.tensor_parallel_size)]
+    if adapters:
+        _require(options.max_loras > 0, "max_loras", "must be at least 1 for a deployment that serves adapters")
+    if options.max_loras:
+        argv += ["--enable-lora", "--max-loras", str(options.max_loras), "--max-lora-rank", str(options.max_lora_rank)]
+        if adapters:
+            argv += ["--lora-modules", *(f"{name}={path}" for name, path in sorted(adapters.items()))]
     env = {
         "HF_HUB_OFFLINE": "1",  # weights come from disk only; a replica host may have no network
         "VLLM_NO_USAGE_STATS": "1",
@@ -533,6 +553,11 @@ def replica_launch(
         "PYTHONUNBUFFERED": "1",  # log lines reach the replica's log file as they happen
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(REPLICA_KEEPALIVE_S),
     }
+    if options.max_loras:
+        # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, which only the supervisor
+        # calls: a replica listens on its host's own port range, and Fathom's /v1 forwards
+        # completions and chats only.
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     if options.device == "cpu":
         # Its processes ask Linux for AMX tile use (serving/replica_site); it also keeps the
         # caller's PYTHONPATH (Fathom's checkout) out of vLLM's env.

@@ -91,11 +91,13 @@ def hand_out_to_workers(items: list[pytest.Item], starts: dict[pytest.Item, str]
     --no-loadscope-reorder the workers take them in this order, so no long group starts last).
 
     A file's tests stay on one worker, which starts a module's servers once (a module-scoped
-    vLLM replica); the tests that share something machine-wide form one group each."""
+    vLLM replica), unless the file is marked `spread` (its tests share nothing: each goes out on
+    its own); the tests that share something machine-wide form one group each."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         shared = starts[item] if starts[item] in MACHINE_WIDE else None
-        group = shared or item.nodeid.split("::", 1)[0]
+        own = item.nodeid if item.get_closest_marker("spread") else item.nodeid.split("::", 1)[0]
+        group = shared or own
         item.add_marker(pytest.mark.xdist_group(group))
         groups.setdefault(group, []).append(item)
 

@@ -23,8 +23,11 @@ from runs.models import Run
 from runs.tasks import LAUNCH_GRACE, reconcile_runs
 from tests.platform.conftest import REPO, process_env
 
-# The whole control plane's path, again on PostgreSQL + Redis in make test-services.
-pytestmark = [pytest.mark.slow, pytest.mark.services]
+# The whole control plane's path, on PostgreSQL + Redis in make test-services only: the embedded
+# default's web and worker processes are the e2e pages' and test_serving_e2e's, so running these
+# on it too (four minutes of ranks and processes) would show nothing new.
+# Each test starts its own web process and worker: both workers take them.
+pytestmark = [pytest.mark.slow, pytest.mark.services, pytest.mark.spread]
 
 STORY = "\n".join(
     f"{name} walked to the {place} and counted {n} {thing} before the rain."

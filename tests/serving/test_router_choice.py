@@ -9,6 +9,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from serving.gateway import Gateway
+from serving.openai_requests import ServedModel
 from serving.router import (
     Backend,
     BackendUnavailable,
@@ -226,3 +228,42 @@ async def test_replicas_that_left_the_source_are_forgotten_once_idle() -> None:
         assert [b.key for b in router.routable()] == source.urls
     assert len(router._backends) <= 2 * 1 + 8 + 1
     await router.aclose()
+
+
+class AdapterReplicas:
+    """Two replicas, the second of which has loaded the adapter `tuned`."""
+
+    def endpoints(self) -> list[ReplicaEndpoint]:
+        return [ReplicaEndpoint("a", "a"), ReplicaEndpoint("b", "b", frozenset({"tuned"}))]
+
+
+async def test_an_adapters_requests_go_only_to_replicas_that_serve_it_and_the_gateway_lists_it_under_its_base() -> None:
+    a, b = ScriptedBackend("a"), ScriptedBackend("b")
+    by_key = {"a": a, "b": b}
+    router = Router(AdapterReplicas(), model="tiny", backend_factory=lambda e: by_key[e.key])
+    gateway = Gateway()
+    gateway.add(ServedModel(name="tiny", max_model_len=64), router)
+    listed = {m["id"]: m.get("parent") for m in gateway.models()["data"]}
+    assert listed == {"tiny": None, "tuned": "tiny"}
+
+    a.release.set()
+    b.release.set()
+    for _ in range(3):
+        answer = await gateway.handle("/v1/completions", json.dumps({"model": "tuned", "prompt": "hi"}).encode())
+        assert answer.status == 200 and answer.replica == "b"
+        await drain(answer.iter_bytes())
+    base = [await gateway.handle("/v1/completions", json.dumps({"model": "tiny", "prompt": "hi"}).encode()) for _ in range(2)]
+    assert sorted(r.replica or "" for r in base) == ["a", "b"]  # the base model goes to both
+    unknown = await gateway.handle("/v1/completions", json.dumps({"model": "other", "prompt": "hi"}).encode())
+    assert unknown.status == 404 and b"tuned" in (unknown.body or b"")  # the error lists what is served
+
+
+def test_the_state_file_source_says_which_adapters_each_replica_serves(tmp_path: Path) -> None:
+    folder = DeploymentDir(tmp_path)
+    replicas = [
+        ReplicaState(index=0, phase="ready", url="http://127.0.0.1:1", adapters=["tuned"]),
+        ReplicaState(index=1, phase="ready", url="http://127.0.0.1:2"),
+    ]
+    write_state(folder, DeploymentState(deployment="tiny", supervisor_pid=1, updated_at=0, stopping=False, replicas=replicas))
+    endpoints = StateFileReplicas(tmp_path).endpoints()
+    assert [(e.url, e.adapters) for e in endpoints] == [("http://127.0.0.1:1", {"tuned"}), ("http://127.0.0.1:2", set())]

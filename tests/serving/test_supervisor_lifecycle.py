@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -14,9 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from serving.deployment_config import DeploymentConfig
+from serving.replica_adapters import request_adapters
 from serving.state import ReplicaEvent, read_events, read_state
 from serving.supervisor import Supervisor, launch_detached
+from serving.vllm import OptionError, ReplicaOptions
 from tests.ports import free_port
 from tests.serving.conftest import process_alive
 
@@ -89,6 +94,18 @@ async def test_a_replica_that_dies_the_same_way_at_two_starts_fails_with_its_log
     assert supervisor.replicas[0].phase == "failed" and read_state(tmp_path / "state").replicas[0].phase == "failed"  # type: ignore[union-attr]
     await supervisor.stop()
     assert [e.kind for e in events][-1] == "replica_stopped"
+
+
+async def test_a_replica_told_to_give_up_at_its_first_death_fails_at_its_only_start(tmp_path: Path) -> None:
+    events: list[ReplicaEvent] = []
+    dies = stand_in(tmp_path, 'echo "RuntimeError: no kernel takes this dtype"; exit 3')
+    supervisor = Supervisor(config(tmp_path, dies, failed_starts_to_give_up=1), on_event=events.append)
+    await supervisor.start()
+    await wait_for(lambda: any(e.kind == "replica_failed" for e in events))
+    await asyncio.sleep(0.5)  # no second start comes
+    assert [e.kind for e in events] == ["replica_starting", "replica_died", "replica_failed"]
+    assert events[-1].message == "failed at its only start (exit code 3): RuntimeError: no kernel takes this dtype"
+    await supervisor.stop()
 
 
 async def test_a_replica_whose_first_generation_fails_is_never_ready_and_gives_up(tmp_path: Path) -> None:
@@ -249,3 +266,80 @@ async def test_a_replica_that_answers_health_but_never_generates_is_taken_out_th
     died = events[3]
     assert "unhealthy for 0.5 s; killed" in died.message and died.exit_code in (-15, -9)
     assert died.pid is not None and not process_alive(died.pid)
+
+
+# A replica with LoRA on: it completes, and loads or unloads adapters as vLLM's runtime endpoints
+# do (one named "broken" fails to load, as a folder vLLM cannot read does); its argv is in its log.
+ADAPTER_SERVER = f"""#!{sys.executable}
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+print(" ".join(sys.argv), flush=True)
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        print(self.path, body, flush=True)
+        failed = self.path == "/v1/load_lora_adapter" and body["lora_name"] == "broken"
+        self.send_response(400 if failed else 200); self.end_headers()
+        self.wfile.write(b"cannot read the adapter" if failed else b"{{}}")
+
+    def log_message(self, *args):
+        pass
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+async def test_sighup_loads_and_unloads_the_config_files_adapters_on_the_running_replica(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text(ADAPTER_SERVER)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    state = tmp_path / "state"
+    cfg = config(
+        tmp_path, str(python), health_interval_s=0.2, adapters={"first": "/adapters/first"},
+        options=ReplicaOptions(max_loras=2, max_lora_rank=8),
+    )  # fmt: skip
+    supervisor = launch_detached(cfg, python=sys.executable)
+    try:
+        await wait_for(lambda: (s := read_state(state)) is not None and s.replicas[0].phase == "ready")
+        (replica,) = read_state(state).replicas  # type: ignore[union-attr]
+        assert replica.adapters == ["first"]
+        log = Path(replica.log).read_text()
+        assert "--enable-lora --max-loras 2 --max-lora-rank 8 --lora-modules first=/adapters/first" in log
+
+        assert request_adapters(state, {"second": "/adapters/second", "broken": "/adapters/broken"})
+        await wait_for(lambda: any(e.kind == "replica_adapters" for e in read_events(state)[0]))
+        (changed,) = [e for e in read_events(state)[0] if e.kind == "replica_adapters"]
+        assert (changed.loaded, changed.unloaded) == (["second"], ["first"])
+        assert changed.message == "could not load or unload broken: cannot read the adapter"
+        (now,) = read_state(state).replicas  # type: ignore[union-attr]
+        assert (now.adapters, now.pid, now.restarts) == (["second"], replica.pid, 0)  # no restart
+        log = Path(replica.log).read_text()
+        assert "/v1/unload_lora_adapter {'lora_name': 'first'}" in log
+        assert "/v1/load_lora_adapter {'lora_name': 'second', 'lora_path': '/adapters/second'}" in log
+        # The config file holds the new set: a replica started from now on starts with it.
+        assert DeploymentConfig.from_dict(json.loads((state / "deployment.json").read_text())).adapters == {
+            "second": "/adapters/second", "broken": "/adapters/broken",
+        }  # fmt: skip
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor, signal.SIGKILL)
+
+
+def test_adapters_need_lora_on_and_names_of_their_own() -> None:
+    with pytest.raises(OptionError, match="max_loras") as refused:
+        config(Path("/tmp/x"), "python", adapters={"tuned": "/adapters/tuned"})
+    assert refused.value.field == "max_loras"
+    lora = ReplicaOptions(max_loras=1)
+    for bad in ({"tiny": "/a"}, {"two words": "/a"}, {"tuned": ""}):
+        with pytest.raises(OptionError) as refused:
+            config(Path("/tmp/x"), "python", adapters=bad, options=lora)
+        assert refused.value.field == "adapters"
+    with pytest.raises(OptionError, match="max_lora_rank") as refused:
+        ReplicaOptions(max_loras=1, max_lora_rank=12)
+    assert "1, 8, 16, 32" in str(refused.value)
