@@ -111,10 +111,13 @@ def compare_page(request: HttpRequest) -> HttpResponse:
 @login_required
 def deployment_page(request: HttpRequest, deployment_id: int) -> HttpResponse:
     deployment = get_object_or_404(
-        Deployment.objects.select_related("checkpoint__run"), pk=deployment_id, owner=request.user
+        Deployment.objects.select_related("checkpoint__run", "pretrained"), pk=deployment_id, owner=request.user
     )
     page = {"id": deployment.pk, "status": deployment.status, "model": deployment.served_model_name}
-    return render(request, "dashboard/deployment.html", {"deployment": deployment, "deployment_page": page})
+    adapters = list(deployment.adapters.select_related("checkpoint__run"))
+    return render(
+        request, "dashboard/deployment.html", {"deployment": deployment, "deployment_page": page, "adapters": adapters}
+    )
 
 
 @login_required

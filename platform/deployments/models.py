@@ -1,4 +1,5 @@
-"""Deployments of checkpoints to vLLM replicas, the replicas, and the keys that call them."""
+"""Deployments of checkpoints (or of pretrained models) to vLLM replicas, the replicas, the LoRA
+adapters they serve on their base, and the keys that call them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from django.conf import settings
 from django.db import models
 
 from controlplane.events import Event
-from runs.models import Checkpoint, QuantizedExport
+from runs.models import Checkpoint, PretrainedModel, QuantizedExport
 
 
 class Deployment(models.Model):
@@ -27,7 +28,14 @@ class Deployment(models.Model):
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="deployments")
     name = models.CharField(max_length=200)
-    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.PROTECT, related_name="deployments")
+    # What it serves: a checkpoint's export, or one of the owner's pretrained models as it is
+    # (the base a LoRA run's adapters are attached to). Exactly one of the two.
+    checkpoint = models.ForeignKey(
+        Checkpoint, on_delete=models.PROTECT, null=True, blank=True, related_name="deployments"
+    )
+    pretrained = models.ForeignKey(
+        PretrainedModel, on_delete=models.PROTECT, null=True, blank=True, related_name="deployments"
+    )
     # The int8/int4 export its replicas serve (the API's `quantization`); null: the checkpoint's
     # own export. A deployment whose quantized export is not ready yet stays pending until the
     # quantize task, once it is, starts it.
@@ -51,6 +59,13 @@ class Deployment(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(checkpoint__isnull=False, pretrained__isnull=True)
+                | models.Q(checkpoint__isnull=True, pretrained__isnull=False),
+                name="deployment_serves_a_checkpoint_or_a_pretrained_model",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.served_model_name
@@ -63,6 +78,24 @@ class Deployment(models.Model):
     @property
     def folder(self) -> Path:
         return settings.DEPLOYMENTS_DIR / f"{self.pk}-{self.created_at:%Y%m%d-%H%M%S-%f}"
+
+
+class Adapter(models.Model):
+    """A LoRA run's checkpoint served by a deployment of its base as a model of its own (`name`),
+    on the same replicas. Attaching or detaching one restarts no replica
+    (`serving.replica_adapters`); a detached one's row is deleted."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="adapters")
+    name = models.CharField(max_length=200, help_text="The model name clients send to use it.")
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.PROTECT, related_name="adapters")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["deployment", "created_at", "id"]
+        constraints = [models.UniqueConstraint(fields=["deployment", "name"], name="adapter_name_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.name} on {self.deployment}"
 
 
 class Replica(models.Model):

@@ -63,11 +63,13 @@ class Served:
 
     @classmethod
     def of(cls, deployment: Deployment) -> Served:
+        # Its tokenizer's folder: the pretrained model's own, or the checkpoint's export.
+        source = deployment.pretrained.path if deployment.pretrained else deployment.checkpoint.export_path  # type: ignore[union-attr]
         return cls(
             pk=deployment.pk,
             model=deployment.served_model_name,
             status=deployment.status,
-            export_path=deployment.checkpoint.export_path,
+            export_path=source,
             max_model_len=int(deployment.options.get("max_model_len", 1024)),
             folder=deployment.folder,
         )
@@ -239,7 +241,7 @@ def _checked_keys(wanted: dict[str, str]) -> dict[str, CheckedKey | None]:
     hash differs): one query for any number of keys."""
     found = {
         key.lookup: key
-        for key in ApiKey.objects.select_related("deployment__checkpoint").filter(
+        for key in ApiKey.objects.select_related("deployment__checkpoint", "deployment__pretrained").filter(
             lookup__in=set(wanted.values()), revoked=False
         )
     }
@@ -414,4 +416,4 @@ async def playground_chat(request: HttpRequest, deployment_id: int) -> HttpRespo
 def _owned_deployment(user: Any, deployment_id: int) -> Deployment | None:
     if not user.is_authenticated:
         return None
-    return Deployment.objects.select_related("checkpoint").filter(pk=deployment_id, owner=user).first()
+    return Deployment.objects.select_related("checkpoint", "pretrained").filter(pk=deployment_id, owner=user).first()

@@ -4,7 +4,8 @@ The options are checked against this host's serving device and against the check
 the export itself when there is one, else the config.json its export will carry
 (`training.hf_format`, from the run's model). Defaults are filled in (max_model_len from the
 model's context) and the deployment stores the options resolved; the start task and the
-replicas run with what is stored, and the page shows it.
+replicas run with what is stored, and the page shows it. A pretrained model is served from its
+own folder, whose config.json is read as an export's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hosts.models import Host
 from hostworker.devices import cpu_flags
 from launch import executors
 from runs import exports, quantized
-from runs.models import Checkpoint, QuantizedExport
+from runs.models import Checkpoint, PretrainedModel, QuantizedExport
 from serving import export_store
 from serving.vllm import CheckpointInfo, DeviceInfo, OptionError, ReplicaOptions, check_compatible, check_device
 from training.config import ModelConfig
@@ -112,16 +113,25 @@ def quantized_info(row: QuantizedExport, source: CheckpointInfo) -> CheckpointIn
 
 
 def resolve_options(
-    options: dict[str, Any], checkpoint: Checkpoint, quantized_export: QuantizedExport | None = None
+    options: dict[str, Any],
+    checkpoint: Checkpoint | None = None,
+    quantized_export: QuantizedExport | None = None,
+    *,
+    pretrained: PretrainedModel | None = None,
 ) -> dict[str, Any]:
-    """The replica options a deployment of `checkpoint` (or of its `quantized_export`) stores:
-    every default filled in, checked against the device and the export. Errors name the option
-    (`options.max_model_len`); a quantized export sets `quantization` to what it is served as.
+    """The replica options a deployment of `checkpoint` (or of its `quantized_export`, or of a
+    `pretrained` model's folder) stores: every default filled in, checked against the device and
+    the export. Errors name the option (`options.max_model_len`); a quantized export sets
+    `quantization` to what it is served as.
 
     Without a max_model_len, a replica serves the checkpoint's whole context (capped at 1024 on
     CPU and 8192 elsewhere, vLLM's KV cache being sized for it)."""
     try:
-        info = export_info(checkpoint)
+        if pretrained is not None:
+            info = CheckpointInfo.read(pretrained.path)
+        else:
+            assert checkpoint is not None
+            info = export_info(checkpoint)
         given = {"device": settings.SERVING_DEVICE, **options}
         if quantized_export is not None:
             info = quantized_info(quantized_export, info)

@@ -6,9 +6,9 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.api import ModelSerializer
-from deployments.models import ApiKey, Deployment, DeploymentEvent, Replica
+from deployments.models import Adapter, ApiKey, Deployment, DeploymentEvent, Replica
 from deployments.services import QUANTIZATION_CHOICES
-from runs.models import Checkpoint
+from runs.models import Checkpoint, PretrainedModel
 from serving.deployment_config import MAX_REPLICAS
 
 
@@ -33,8 +33,38 @@ class ReplicaSerializer(ModelSerializer):
         fields = ["index", "url", "status", "restarts", "updated_at"]
 
 
+class AdapterSerializer(ModelSerializer):
+    """A LoRA run's checkpoint served on a deployment of its base under a model name of its own."""
+
+    checkpoint = serializers.PrimaryKeyRelatedField(
+        queryset=Checkpoint.objects.none(), help_text="A checkpoint of one of your LoRA runs on this deployment's base."
+    )
+
+    class Meta:
+        model = Adapter
+        fields = ["id", "name", "checkpoint", "created_at"]
+        read_only_fields = ["created_at"]
+        extra_kwargs = {"name": {"required": False, "help_text": "The model name clients send; default <run>-step<N>."}}
+
+    def get_fields(self) -> dict[str, Any]:
+        fields = super().get_fields()
+        request = self.context.get("request")
+        if request is not None and request.user.is_authenticated:
+            fields["checkpoint"].queryset = Checkpoint.objects.filter(run__owner=request.user)  # type: ignore[attr-defined]
+        return fields
+
+
 class DeploymentSerializer(ModelSerializer):
-    checkpoint = serializers.PrimaryKeyRelatedField(queryset=Checkpoint.objects.none())
+    checkpoint = serializers.PrimaryKeyRelatedField(
+        queryset=Checkpoint.objects.none(), required=False, allow_null=True,
+        help_text="The checkpoint whose export it serves; or give `pretrained`.",
+    )  # fmt: skip
+    pretrained = serializers.PrimaryKeyRelatedField(
+        queryset=PretrainedModel.objects.none(), required=False, allow_null=True,
+        help_text="One of your pretrained models, served as it is (the base LoRA adapters are attached to); or give "
+        "`checkpoint`.",
+    )  # fmt: skip
+    adapters = AdapterSerializer(many=True, read_only=True)
     replicas = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS, default=1)
     options = OptionsField(default=dict, help_text="vLLM options (see serving.vllm).")
     replica_set = ReplicaSerializer(many=True, read_only=True)
@@ -52,6 +82,7 @@ class DeploymentSerializer(ModelSerializer):
             "id",
             "name",
             "checkpoint",
+            "pretrained",
             "served_model_name",
             "replicas",
             "options",
@@ -60,6 +91,7 @@ class DeploymentSerializer(ModelSerializer):
             "status",
             "status_reason",
             "replica_set",
+            "adapters",
             "last_seq",
             "created_at",
         ]
@@ -71,7 +103,15 @@ class DeploymentSerializer(ModelSerializer):
         request = self.context.get("request")
         if request is not None and request.user.is_authenticated:
             fields["checkpoint"].queryset = Checkpoint.objects.filter(run__owner=request.user)  # type: ignore[attr-defined]
+            fields["pretrained"].queryset = PretrainedModel.objects.filter(owner=request.user)  # type: ignore[attr-defined]
         return fields
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if (attrs.get("checkpoint") is None) == (attrs.get("pretrained") is None):
+            raise serializers.ValidationError(
+                {"checkpoint": ["give either a checkpoint (its export is served) or a pretrained model (pretrained)"]}
+            )
+        return attrs
 
 
 class DeploymentEventSerializer(ModelSerializer):

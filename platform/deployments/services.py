@@ -14,11 +14,12 @@ from django.utils import timezone
 from controlplane.events import publish_on_commit, reserve_seqs
 from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
-from deployments.models import ApiKey, Deployment, DeploymentEvent
+from deployments.models import Adapter, ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
+from hosts import capacity
 from notifications.services import DEPLOYMENT_EVENTS, notify_on_commit
 from runs import exports, quantized
-from runs.models import Checkpoint, QuantizedExport
+from runs.models import Checkpoint, PretrainedModel, QuantizedExport
 from serving.export_store import ExportStoreError
 from serving.state import replica_log
 from training.checkpoint_storage import is_committed_at
@@ -27,14 +28,29 @@ from training.storage import local_root
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 
 
-def check_served_model_name(name: str) -> str:
+def check_served_model_name(name: str, field: str = "served_model_name") -> str:
+    """A model name /v1 may serve: well formed, and neither an active deployment's nor an adapter's
+    on one (a key's requests for another deployment's model are refused by that name)."""
     if not _MODEL_NAME.match(name):
-        raise InvalidInput(
-            "served_model_name", "must start with a letter or digit and hold only letters, digits and . _ : / -"
-        )
+        raise InvalidInput(field, "must start with a letter or digit and hold only letters, digits and . _ : / -")
     if Deployment.objects.filter(served_model_name=name, status__in=Deployment.ACTIVE).exists():
-        raise InvalidInput("served_model_name", f"{name!r} is already served by another deployment")
+        raise InvalidInput(field, f"{name!r} is already served by another deployment")
+    if Adapter.objects.filter(name=name, deployment__status__in=Deployment.ACTIVE).exists():
+        raise InvalidInput(field, f"{name!r} is already served as an adapter")
     return name
+
+
+def check_not_an_adapter(checkpoint: Checkpoint) -> None:
+    """A LoRA run's checkpoint holds adapters, not a model: it is served on a deployment of its base."""
+    run = checkpoint.run
+    if run.lora_rank:
+        base = run.pretrained.name if run.pretrained else "its base"
+        raise InvalidInput(
+            "checkpoint",
+            f"step {checkpoint.step} of {run.name!r} holds LoRA adapters, not a whole model: deploy its base "
+            f"(the pretrained model {base!r}, with options.max_loras of 1 or more) and attach it there "
+            "(POST /api/deployments/<id>/adapters/)",
+        )
 
 
 def check_checkpoint(checkpoint: Checkpoint) -> None:
@@ -80,18 +96,27 @@ def check_quantization(quantization: str, options: dict[str, Any]) -> None:
 
 def do_create_deployment(
     owner: Any,
-    checkpoint: Checkpoint,
+    checkpoint: Checkpoint | None,
     *,
     name: str,
     served_model_name: str,
     replicas: int,
     options: dict[str, Any],
     quantization: str = "none",
+    pretrained: PretrainedModel | None = None,
 ) -> Deployment:
     """Creates the deployment and queues its start. With `quantization` int8 or int4 it serves
     the checkpoint's quantized export: made first (queued here) when there is none yet, the
-    deployment staying pending until `quantized_export_finished` starts it."""
+    deployment staying pending until `quantized_export_finished` starts it. With `pretrained`
+    instead of a checkpoint it serves that model's folder as it is."""
+    if pretrained is not None:
+        return _create_pretrained_deployment(
+            owner, pretrained, name=name, served_model_name=served_model_name, replicas=replicas, options=options,
+            quantization=quantization,
+        )  # fmt: skip
+    assert checkpoint is not None
     check_checkpoint(checkpoint)
+    check_not_an_adapter(checkpoint)
     check_quantization(quantization, options)
     served = check_served_model_name(
         served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-")
@@ -124,6 +149,82 @@ def do_create_deployment(
         # quantize task starts it), which also covers a quantization that finishes meanwhile.
         enqueue_on_commit("deployments.tasks.start_deployment", deployment.pk)
     return deployment
+
+
+def _create_pretrained_deployment(
+    owner: Any, pretrained: PretrainedModel, *, name: str, served_model_name: str, replicas: int,
+    options: dict[str, Any], quantization: str,
+) -> Deployment:  # fmt: skip
+    if quantization != "none":
+        raise InvalidInput(
+            "quantization", "Fathom quantizes checkpoints' exports; a pretrained model is served as it is (none)"
+        )
+    served = check_served_model_name(served_model_name or pretrained.name.replace(" ", "-"))
+    resolved = resolve_options(options, pretrained=pretrained)
+    with transaction.atomic():
+        deployment = Deployment.objects.create(
+            owner=owner, name=name or served, pretrained=pretrained, served_model_name=served, replicas=replicas,
+            options=resolved,
+        )  # fmt: skip
+        do_record(deployment, "created", {"replicas": replicas, "pretrained": pretrained.pk, "quantization": "none"})
+        enqueue_on_commit("deployments.tasks.start_deployment", deployment.pk)
+    return deployment
+
+
+def do_attach_adapter(deployment: Deployment, checkpoint: Checkpoint, name: str = "") -> Adapter:
+    """Serves a LoRA run's checkpoint on `deployment`, which serves the run's base, as the model
+    `name`; its running replicas load it without a restart (deployments.tasks.sync_adapters)."""
+    if deployment.status not in Deployment.ACTIVE:
+        raise WrongState("status", f"adapters are attached to active deployments; this one is {deployment.status}")
+    run = checkpoint.run
+    if not run.lora_rank:
+        raise InvalidInput("checkpoint", f"step {checkpoint.step} of {run.name!r} is a full fine-tune's: it has no adapters")
+    if deployment.pretrained_id is None or run.pretrained_id != deployment.pretrained_id:
+        serves = f"the pretrained model {deployment.pretrained.name!r}" if deployment.pretrained else "a checkpoint"
+        base = run.pretrained.name if run.pretrained else "?"
+        raise InvalidInput(
+            "checkpoint", f"{run.name!r} adapts the pretrained model {base!r}; this deployment serves {serves}"
+        )
+    max_loras, max_rank = deployment.options.get("max_loras", 0), deployment.options.get("max_lora_rank", 16)
+    if not max_loras:
+        raise InvalidInput(
+            "options.max_loras",
+            "is 0 on this deployment, whose replicas then run without LoRA: deploy the base with max_loras of 1 or more",
+        )
+    if run.lora_rank > max_rank:
+        raise InvalidInput(
+            "checkpoint",
+            f"its adapters have rank {run.lora_rank}, more than this deployment's options.max_lora_rank ({max_rank})",
+        )
+    # A supervisor started here records its pid; with none yet, a registered cluster places it on hosts.
+    if deployment.supervisor_pid is None and capacity.cluster_exists():
+        raise InvalidInput(
+            "deployment",
+            "serves on hosts: adapters are attached, for now, to deployments whose replicas run on the control "
+            "plane's machine",
+        )
+    check_checkpoint(checkpoint)
+    name = name or f"{run.name}-step{checkpoint.step}".replace(" ", "-")
+    if deployment.adapters.filter(name=name).exists():
+        raise InvalidInput("name", f"{name!r} is already an adapter of this deployment")
+    if name == deployment.served_model_name:
+        raise InvalidInput("name", f"{name!r} is this deployment's own model")
+    check_served_model_name(name, field="name")
+    with transaction.atomic():
+        adapter = Adapter.objects.create(deployment=deployment, name=name, checkpoint=checkpoint)
+        do_record(deployment, "adapter_attached", {"name": name, "checkpoint": checkpoint.pk, "step": checkpoint.step})
+        enqueue_on_commit("deployments.tasks.sync_adapters", deployment.pk)
+    return adapter
+
+
+def do_detach_adapter(adapter: Adapter) -> None:
+    """Stops serving the adapter: its name answers 404 once the replicas have unloaded it."""
+    deployment = adapter.deployment
+    with transaction.atomic():
+        adapter.delete()
+        do_record(deployment, "adapter_detached", {"name": adapter.name})
+        if deployment.status in Deployment.ACTIVE:
+            enqueue_on_commit("deployments.tasks.sync_adapters", deployment.pk)
 
 
 def do_stop_deployment(deployment: Deployment) -> Deployment:

@@ -40,10 +40,15 @@ from serving.vllm import replica_dtype
 SCRAPE_TIMEOUT_SECONDS = 1.5
 
 
-def config_for(deployment: Deployment, export_path: str, group: replica_placement.ReplicaGroup | None = None) -> DeploymentConfig:
+def config_for(
+    deployment: Deployment,
+    export_path: str,
+    group: replica_placement.ReplicaGroup | None = None,
+    adapters: dict[str, str] | None = None,
+) -> DeploymentConfig:
     """The supervisor's config: on this machine (all replicas), or for the replicas `group` puts
     on one host (at its address, shipping its folder to ours), with the options the deployment
-    stored resolved at create."""
+    stored resolved at create and its `adapters` (name → PEFT folder, `adapter_exports`)."""
     host = group.host if group is not None else None
     stored = stored_options(deployment.options)
     # "auto" becomes the dtype the quantization's kernels take on the replicas' CPU.
@@ -60,6 +65,7 @@ def config_for(deployment: Deployment, export_path: str, group: replica_placemen
         replicas=len(group.replicas) if group is not None else deployment.replicas,
         first_replica=group.first_replica if group is not None else 0,
         options=options,
+        adapters=adapters or {},
         # Replicas listen on their host's address, where the router reaches them.
         host=host.address if host is not None else "127.0.0.1",
         ports=(settings.REPLICA_PORTS.start, settings.REPLICA_PORTS.stop - 1),
@@ -80,18 +86,33 @@ def config_for(deployment: Deployment, export_path: str, group: replica_placemen
     )  # fmt: skip
 
 
-def _request(deployment: Deployment, export_path: Callable[[], str], replicas: list[int]) -> SupervisorRequest:
+def _request(
+    deployment: Deployment, export_path: Callable[[], str], replicas: list[int], adapters: dict[str, str] | None = None
+) -> SupervisorRequest:
     """`export_path` is asked for as each supervisor's config is built, once its replicas are placed."""
     options = stored_options(deployment.options)
     return SupervisorRequest(
         deployment=deployment, replicas=replicas, kind="gpu" if options.device == "cuda" else "cpu",
         per_replica=options.tensor_parallel_size, refusal=lambda host: host_refusal(options, host),
-        configure=lambda group: config_for(deployment, export_path(), group),
+        configure=lambda group: config_for(deployment, export_path(), group, adapters),
     )  # fmt: skip
 
 
 def _export_path(deployment: Deployment) -> str:
-    return deployment.quantized_export.path if deployment.quantized_export else exports.export(deployment.checkpoint)
+    """The folder (or object-storage URL) its replicas serve: a pretrained model's own folder, a
+    quantized export, or the checkpoint's export (made now if there is none yet)."""
+    if deployment.pretrained is not None:
+        return deployment.pretrained.path
+    if deployment.quantized_export is not None:
+        return deployment.quantized_export.path
+    assert deployment.checkpoint is not None
+    return exports.export(deployment.checkpoint)
+
+
+def adapter_exports(deployment: Deployment) -> dict[str, str]:
+    """Each attached adapter's PEFT folder by its name, exported first where it is not yet (a LoRA
+    checkpoint's export is its adapter folder, `training.export`)."""
+    return {a.name: exports.export(a.checkpoint) for a in deployment.adapters.select_related("checkpoint__run")}
 
 
 def start(deployment: Deployment) -> int | None:
@@ -99,8 +120,9 @@ def start(deployment: Deployment) -> int | None:
     one here (returns its pid), or one on each host placement gave some of its replicas (returns
     None). Raises supervisors.NotPlaced when no host has room for them now."""
     export_path = _export_path(deployment)  # an export that fails fails the deployment before anything is placed
+    adapters = adapter_exports(deployment)
     started = executors.for_deployment(deployment).start_supervisors(
-        _request(deployment, lambda: export_path, list(range(deployment.replicas)))
+        _request(deployment, lambda: export_path, list(range(deployment.replicas)), adapters)
     )
     with transaction.atomic():
         for index in range(deployment.replicas):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import shared_task
 from django.db import transaction
 
@@ -10,9 +12,10 @@ from deployments import quality, services, supervision
 from deployments.models import Deployment
 from hosts import scheduling
 from hosts.models import Host
-from runs import quantized
+from runs import exports, quantized
 from runs import services as run_services
 from runs.models import QuantizedExport
+from serving.replica_adapters import request_adapters
 from serving.state import DeploymentDir
 
 # Deployments whose supervisor should be running.
@@ -42,6 +45,27 @@ def start_deployment(deployment_id: int) -> str:
     Deployment.objects.filter(pk=deployment_id).update(supervisor_pid=pid)
     services.do_record(deployment, "supervisor_started", {"pid": pid})
     return f"supervisor {pid}"
+
+
+@shared_task(bind=True, max_retries=30, default_retry_delay=2)
+def sync_adapters(self: Any, deployment_id: int) -> str:
+    """Brings a running deployment's replicas to its adapter rows: exports what is not exported
+    yet, rewrites its supervisor's config and signals it (`serving.replica_adapters`), which
+    loads and unloads them without a restart. A deployment not started yet gets them at its start."""
+    deployment = Deployment.objects.get(pk=deployment_id)
+    if deployment.status not in SUPERVISED:
+        return f"{deployment.status}: its start reads the adapters"
+    try:
+        adapters = supervision.adapter_exports(deployment)
+    except exports.ExportFailed as exc:
+        services.do_record(deployment, "adapter_failed", {"reason": str(exc)})
+        return str(exc)
+    if not DeploymentDir(deployment.folder).config_file.exists():
+        # Its start is under way: it may have read the rows before this change, so come back
+        # once it has written its supervisor's config.
+        raise self.retry()
+    signalled = request_adapters(deployment.folder, adapters)
+    return f"{len(adapters)} adapters; supervisor {'signalled' if signalled else 'not running'}"
 
 
 @shared_task

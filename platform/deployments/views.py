@@ -14,8 +14,9 @@ from controlplane.api import events_after_response, owned
 from controlplane.exceptions import WrongState
 from controlplane.shipped_pieces import ShippedPieceView
 from deployments import services, shipped
-from deployments.models import ApiKey, Deployment
+from deployments.models import Adapter, ApiKey, Deployment
 from deployments.serializers import (
+    AdapterSerializer,
     ApiKeySerializer,
     DeploymentEventSerializer,
     DeploymentSerializer,
@@ -40,19 +41,21 @@ class ReplicaLogQuery(serializers.Serializer):
 class DeploymentViewSet(
     mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
 ):
-    """Checkpoints served by vLLM replicas. Another user's deployment answers 404."""
+    """Checkpoints (or pretrained models, with LoRA adapters attached) served by vLLM replicas.
+    Another user's deployment answers 404."""
 
     serializer_class = DeploymentSerializer
     conflict_actions = ("stop",)  # a deployment already stopped or failed answers 409
 
     def get_queryset(self) -> QuerySet[Deployment]:
-        return owned(self, Deployment.objects.prefetch_related("replica_set"))
+        return owned(self, Deployment.objects.prefetch_related("replica_set", "adapters"))
 
     def perform_create(self, serializer: Any) -> None:
         data = serializer.validated_data
         serializer.instance = services.do_create_deployment(
             self.request.user,
-            data["checkpoint"],
+            data.get("checkpoint"),
+            pretrained=data.get("pretrained"),
             name=data.get("name", ""),
             served_model_name=data.get("served_model_name", ""),
             replicas=data["replicas"],
@@ -137,6 +140,44 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         The key stays listed with its record of use."""
         key = services.do_revoke_key(self.get_object())
         return Response(ApiKeySerializer(key).data)
+
+
+@extend_schema_view(
+    list=extend_schema(parameters=[DEPLOYMENT_ID]),
+    create=extend_schema(parameters=[DEPLOYMENT_ID]),
+    retrieve=extend_schema(parameters=[DEPLOYMENT_ID]),
+    destroy=extend_schema(parameters=[DEPLOYMENT_ID]),
+)
+class AdapterViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet
+):
+    """LoRA adapters a deployment of their base serves, each under a model name of its own on
+    the same replicas (attached or detached without restarting them). /v1 serves an adapter
+    with the deployment's keys once its replicas have loaded it, and /v1/models lists it with
+    the base as its `parent`. Another user's deployment answers 404."""
+
+    serializer_class = AdapterSerializer
+    conflict_actions = ("create",)  # a deployment that stopped takes no adapter: 409
+
+    def deployment(self) -> Deployment:
+        return get_object_or_404(owned(self, Deployment.objects.all()), pk=self.kwargs["deployment_id"])
+
+    def get_queryset(self) -> QuerySet[Adapter]:
+        if getattr(self, "swagger_fake_view", False):
+            return Adapter.objects.none()
+        return self.deployment().adapters.all()
+
+    def create(self, request: Request, deployment_id: str) -> Response:
+        """Attaches a LoRA run's checkpoint; each refusal names the field (a full fine-tune's
+        checkpoint, another base, a rank over options.max_lora_rank, a name in use)."""
+        body = AdapterSerializer(data=request.data, context={"request": request})
+        body.is_valid(raise_exception=True)
+        adapter = services.do_attach_adapter(self.deployment(), body.validated_data["checkpoint"], body.validated_data.get("name", ""))
+        return Response(AdapterSerializer(adapter).data, status=status.HTTP_201_CREATED)
+
+    def perform_destroy(self, instance: Adapter) -> None:
+        """Detaches it: its name answers 404 once the replicas have unloaded it."""
+        services.do_detach_adapter(instance)
 
 
 @extend_schema_view(post=extend_schema(

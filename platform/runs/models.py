@@ -208,6 +208,12 @@ class Run(models.Model):
         return int(self.spec.get("nodes", {}).get("max", 1))
 
     @property
+    def lora_rank(self) -> int:
+        """The rank of the run's LoRA adapters; 0 for a full fine-tune."""
+        lora = self.spec.get("lora") or {}
+        return int(lora.get("rank") or 0)
+
+    @property
     def total_steps(self) -> int:
         return int(self.spec.get("train", {}).get("steps", 0))
 

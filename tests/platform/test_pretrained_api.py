@@ -17,9 +17,9 @@ from training.data import save_tokenizer, train_tokenizer
 pytestmark = pytest.mark.django_db
 
 
-def write_llama_folder(folder: Path) -> Path:
+def write_llama_folder(folder: Path, hidden_size: int = 64) -> Path:
     """A small random Llama as `transformers` saves it, with a byte-level tokenizer beside it."""
-    save_small_llama(folder, hidden_size=64)
+    save_small_llama(folder, hidden_size=hidden_size)
     documents = (f"document {i} about counting {i} sheep" for i in range(200))
     save_tokenizer(train_tokenizer(documents, 512), folder, 64)
     return folder
