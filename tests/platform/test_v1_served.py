@@ -1,12 +1,14 @@
-"""/v1 on one real vLLM replica of the tiny Llama checkpoint (built once and cached, as the
-serving tests do), deployed through the API and started by a real Celery worker with beat, called
-with the official `openai` client through a real web process:
+"""/v1 on one real vLLM replica of the tiny Llama (built once and cached, as the serving tests
+do), deployed through the API as a pretrained model and started by a real Celery worker with
+beat, called with the official `openai` client through a real web process:
 
 - it passes on what vLLM's OpenAI server takes (n, JSON schemas, tool calls, sampling fields,
   vLLM's extras and its own 400s) and keeps the operator's fields and other endpoints closed;
 - it counts each key's use from vLLM's own usage;
 - `/metrics` shows requests, time to first token and tokens per deployment, replica states and
-  KV-cache use, as Prometheus would parse them.
+  KV-cache use, as Prometheus would parse them;
+- a LoRA run's checkpoint attached through the API is served by the same replica, with the
+  deployment's key, as transformers computes the merged model, and answers 404 once detached.
 
 One test with one replica: a replica's start is most of the minute this takes on CPU.
 """
@@ -15,14 +17,17 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
+import transformers
 
 from deployments.models import ApiKey, Deployment
 from deployments.usage import FLUSH_S
-from runs.models import Checkpoint, Run
+from runs.models import Checkpoint, PretrainedModel, Run
 from tests.platform.conftest import WebServer
 from tests.platform.test_prometheus_metrics import (  # noqa: F401 (web is a fixture)
     Samples,
@@ -33,8 +38,9 @@ from tests.platform.test_prometheus_metrics import (  # noqa: F401 (web is a fix
     wait_for,
     web,
 )
-from tests.serving.conftest import CHECKPOINT_CACHE
+from tests.serving.conftest import CHECKPOINT_CACHE, lora_checkpoint_on
 from tools.tiny_checkpoint import build_tiny_llama
+from training.export import export
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -63,21 +69,21 @@ WEATHER_TOOL = {
 
 
 def test_v1_on_a_real_replica_passes_vllms_fields_counts_each_keys_use_and_meters_requests_ttft_tokens_and_replicas(
-    alice, web, celery_worker_with_beat  # noqa: F811
+    alice, web, celery_worker_with_beat, tmp_path  # noqa: F811
 ):
-    export = build_tiny_llama(CHECKPOINT_CACHE / "tiny-llama")
-    run = Run.objects.create(owner=alice, name="served", spec={}, status=Run.Status.SUCCEEDED)
-    checkpoint = Checkpoint.objects.create(run=run, step=1, path=str(export), export_path=str(export))
+    base = PretrainedModel.objects.create(
+        owner=alice, name="tiny llama", path=str(build_tiny_llama(CHECKPOINT_CACHE / "tiny-llama"))
+    )
     client = api(web, alice)
     # A 256-token context keeps prompts short; vLLM's hermes tool-call parser, as a deployment
-    # with `options.tool_call_parser` has.
+    # with `options.tool_call_parser` has; LoRA on, for an adapter attached later.
     options = {
         "dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8, "kv_cache_gib": 1,
-        "tool_call_parser": "hermes",
+        "tool_call_parser": "hermes", "max_loras": 1, "max_lora_rank": 8,
     }  # fmt: skip
     created = client.post(
         "/api/deployments/",
-        json={"checkpoint": checkpoint.pk, "replicas": 1, "options": options, "served_model_name": MODEL},
+        json={"pretrained": base.pk, "replicas": 1, "options": options, "served_model_name": MODEL},
     )
     assert created.status_code == 201, created.text
     deployment_id = created.json()["id"]
@@ -148,10 +154,62 @@ def test_v1_on_a_real_replica_passes_vllms_fields_counts_each_keys_use_and_meter
         assert value(after, "fathom_replicas", deployment=MODEL, state="dead") == 0
         assert 0 <= value(after, "fathom_deployment_kv_cache_usage_ratio", deployment=MODEL) <= 1
         assert value(after, "fathom_deployments", status="ready") >= 1
+
+        _serves_an_attached_adapter_as_the_merged_model(client, web, deployment_id, key, base, tmp_path)
     finally:
         client.post(f"/api/deployments/{deployment_id}/stop/")
         wait_for(lambda: Deployment.objects.get(pk=deployment_id).status == "stopped", 180, "the stop")
     assert value(scrape(web), "fathom_replicas", deployment=MODEL, state="ready") == 0
+
+
+def _serves_an_attached_adapter_as_the_merged_model(
+    client: httpx.Client, server: WebServer, deployment_id: int, key: str, base: PretrainedModel, tmp: Path
+) -> None:
+    trained = lora_checkpoint_on(Path(base.path), tmp / "lora")
+    run = Run.objects.create(
+        owner=base.owner, name="tuned", spec={"lora": {"rank": 8}}, status=Run.Status.SUCCEEDED, pretrained=base
+    )
+    checkpoint = Checkpoint.objects.create(run=run, step=6, path=str(trained))
+    attached = client.post(f"/api/deployments/{deployment_id}/adapters/", json={"checkpoint": checkpoint.pk})
+    assert attached.status_code == 201, attached.text
+    name = attached.json()["name"]
+    assert name == "tuned-step6"
+
+    v1 = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
+    # The worker exports its PEFT folder and the supervisor has the replica load it: no restart.
+    def models() -> dict[str, str | None]:
+        return {m.id: (m.model_extra or {}).get("parent") for m in v1.models.list().data}
+
+    listed = wait_for(lambda: name in (now := models()) and now, 120, "the adapter in /v1/models")
+    assert listed == {MODEL: None, name: MODEL}
+    assert Deployment.objects.get(pk=deployment_id).replica_set.get().restarts == 0
+
+    torch.set_num_threads(1)
+    merged = export(trained, tmp / "merged")
+    model = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    ids = transformers.AutoTokenizer.from_pretrained(merged)("the cat sees").input_ids
+    with torch.no_grad():
+        greedy = model.generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long), eos_token_id=None,
+        )[0, len(ids):].tolist()  # fmt: skip
+    answer = v1.completions.create(
+        model=name, prompt="the cat sees", max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+    )
+    served = list((answer.choices[0].model_extra or {})["token_ids"])
+    assert served == greedy[: len(served)] and served
+
+    detached = client.delete(f"/api/deployments/{deployment_id}/adapters/{attached.json()['id']}/")
+    assert detached.status_code == 204
+
+    def gone() -> bool:
+        try:
+            v1.completions.create(model=name, prompt="the cat", max_tokens=1)
+        except openai.NotFoundError:
+            return True
+        return False
+
+    wait_for(gone, 60, "the detached adapter to answer 404")
 
 
 def _passes_vllms_request_fields_and_counts_the_keys_use(server: WebServer, deployment: Deployment) -> None:

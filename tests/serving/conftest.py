@@ -173,3 +173,23 @@ def start_deployment(
             os.killpg(pid, signal.SIGKILL)
         os.killpg(router.pid, signal.SIGTERM)
         router.wait(timeout=30)
+
+
+def lora_checkpoint_on(base: Path, work: Path, rank: int = 8) -> Path:
+    """The checkpoint of a one-process LoRA run of a few steps on the Hugging Face folder `base`,
+    at a learning rate that moves its outputs well away from the base's."""
+    from tests.training.test_architectures import spec_from
+    from tools.check_parity import launch
+    from training.config import LORA_TARGETS, LoraConfig, RunSpec
+    from training.demo import corpus as demo_corpus
+    from training.run_dir import RunDir
+
+    work.mkdir(parents=True, exist_ok=True)
+    spec = spec_from(base, dataset=str(demo_corpus.write(work / "corpus.txt", n_documents=300)))
+    spec.lora = LoraConfig(rank=rank, alpha=2.0 * rank, targets=list(LORA_TARGETS))
+    spec.train.steps, spec.train.warmup_steps, spec.train.checkpoint_interval = 6, 1, 6
+    spec.train.lr = spec.train.min_lr = 0.05
+    launch(RunSpec.from_dict(spec.to_dict()), work / "run", 600)
+    checkpoint = RunDir(work / "run").latest_checkpoint()
+    assert checkpoint is not None
+    return checkpoint

@@ -23,12 +23,12 @@ import transformers
 from serving.replica_adapters import request_adapters
 from serving.state import read_events, read_state
 from serving.vllm import ReplicaOptions
-from tests.serving.conftest import RunningDeployment, start_deployment
+from tests.serving.conftest import RunningDeployment, lora_checkpoint_on, start_deployment
 from tests.training.test_architectures import save_model
 from tests.training.test_architectures import spec_from as architecture_spec_from
 from tests.training.test_pretrained import llama_style_folder, spec_from
 from tools.check_parity import launch
-from training.config import LORA_TARGETS, LoraConfig, RunSpec
+from training.config import RunSpec
 from training.demo import corpus as demo_corpus
 from training.export import export, export_adapter
 from training.run_dir import RunDir
@@ -80,17 +80,9 @@ class Tuned:
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory: pytest.TempPathFactory, qwen3_exported: Path) -> Tuned:
-    """A LoRA run of a few steps on the Qwen3 export, at a learning rate that moves its outputs
-    well away from the base's, exported both ways."""
+    """A LoRA run's checkpoint on the Qwen3 export, exported both ways."""
     tmp = tmp_path_factory.mktemp("lora-on-qwen3")
-    corpus = demo_corpus.write(tmp / "corpus.txt", n_documents=300)
-    spec = architecture_spec_from(qwen3_exported, dataset=str(corpus))
-    spec.lora = LoraConfig(rank=8, alpha=16.0, targets=list(LORA_TARGETS))
-    spec.train.steps, spec.train.warmup_steps, spec.train.checkpoint_interval = 6, 1, 6
-    spec.train.lr = spec.train.min_lr = 0.05
-    launch(RunSpec.from_dict(spec.to_dict()), tmp / "run", 600)
-    checkpoint = RunDir(tmp / "run").latest_checkpoint()
-    assert checkpoint is not None
+    checkpoint = lora_checkpoint_on(qwen3_exported, tmp)
     return Tuned(adapter=export_adapter(checkpoint, tmp / "adapter"), merged=export(checkpoint, tmp / "merged"))
 
 
