@@ -67,8 +67,10 @@ TEXT_PARTS = frozenset({"text", "input_text", "refusal"})
 
 
 class PromptCounter:
-    """Counts prompt tokens the way vLLM will: the checkpoint's `tokenizer.json`, and for chat the
-    `chat_template` of `tokenizer_config.json` rendered with `add_generation_prompt=True`."""
+    """Counts prompt tokens the way vLLM will: the checkpoint's `tokenizer.json`, and for chat its
+    chat template (`tokenizer_config.json`'s `chat_template`, the "default" of a list of named
+    ones, else `chat_template.jinja`, as transformers reads them) rendered with
+    `add_generation_prompt=True`."""
 
     def __init__(self, checkpoint_dir: str | Path) -> None:
         from tokenizers import Tokenizer
@@ -77,10 +79,15 @@ class PromptCounter:
         self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         config_file = path / "tokenizer_config.json"
         self._config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.exists() else {}
+        self._folder = path
 
     @cached_property
     def _template(self) -> Any:
         source = self._config.get("chat_template")
+        if isinstance(source, list):
+            source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
+        if not source and (self._folder / "chat_template.jinja").is_file():
+            source = (self._folder / "chat_template.jinja").read_text()
         if not source:
             return None
         # jinja2's sandbox, as transformers renders chat templates: a template is data from the

@@ -46,6 +46,9 @@ CHAT_TEMPLATE = (
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Where transformers (4.43 and later) saves a tokenizer's chat template, outside its config:
+# Llama 3.x's and Qwen's current folders carry it so.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 _ENCODE_BATCH = 2048  # documents per encode_batch call: large enough to keep tokenizers' threads busy
 
 
@@ -305,7 +308,7 @@ def prepare_data(
             ):
                 if (given_dir / "tokenizer_config.json").exists():
                     copy_tokenizer(given_dir, tokenizer_dir)
-                    _keep_chat_template(tokenizer_dir)
+                    _keep_chat_template(tokenizer_dir, given_dir)
                 else:  # a bare tokenizer.json: add the config files Fathom's exports need
                     save_tokenizer(Tokenizer.from_file(str(given_dir / "tokenizer.json")), tokenizer_dir, seq_len)
         elif not (tokenizer_dir / "tokenizer_config.json").exists():
@@ -332,16 +335,31 @@ def chat_template_of(tokenizer_dir: Path) -> ChatTemplate:
     """The template chats are rendered with: the tokenizer's own (`_keep_chat_template` made sure
     there is one), which the export copies, so serving renders chats as training did."""
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-    return ChatTemplate(config.get("chat_template") or CHAT_TEMPLATE)
+    return ChatTemplate(own_chat_template(config, tokenizer_dir) or CHAT_TEMPLATE)
 
 
-def _keep_chat_template(tokenizer_dir: Path) -> None:
-    """Gives a copied tokenizer config without a chat template Fathom's: chats train in it and
-    the export, which copies this file, then serves them in it too."""
+def own_chat_template(config: dict[str, Any], folder: Path) -> str | None:
+    """A tokenizer folder's own chat template: its config's `chat_template` (of a list of named
+    templates, the one named "default", as transformers picks), else its chat_template.jinja."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str) and template:
+        return template
+    file = folder / CHAT_TEMPLATE_FILE
+    return file.read_text(encoding="utf-8") if file.is_file() else None
+
+
+def _keep_chat_template(tokenizer_dir: Path, source_dir: Path) -> None:
+    """Puts into a copied tokenizer's config the template chats train in: the source folder's
+    own (from its config or its chat_template.jinja), else Fathom's. The export copies this file,
+    so serving renders chats in it too."""
     path = tokenizer_dir / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
-    if not config.get("chat_template"):
-        config["chat_template"] = CHAT_TEMPLATE
+    template = own_chat_template(config, source_dir) or CHAT_TEMPLATE
+    if config.get("chat_template") != template:
+        config["chat_template"] = template
         path.write_text(json.dumps(config, indent=2) + "\n")
 
 

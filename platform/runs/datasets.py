@@ -133,7 +133,7 @@ def _store_dataset(target: Path, sha: str, *, removes_local: bool) -> str:
 # The files of a Hugging Face Llama folder a run reads; an upload holds these and nothing else.
 PRETRAINED_FILE_NAMES = re.compile(
     r"^(config\.json|generation_config\.json|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
-    r"|model\.safetensors|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors)$"
+    r"|chat_template\.jinja|model\.safetensors|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors)$"
 )
 
 
@@ -154,8 +154,8 @@ def do_register_pretrained(
             raise InvalidInput(
                 "files",
                 f"{wrong[0]} is not a file of a Hugging Face Llama folder; upload config.json, tokenizer.json (and its "
-                "tokenizer_config.json, special_tokens_map.json, generation_config.json) and model.safetensors or "
-                "model.safetensors.index.json with its model-NNNNN-of-NNNNN.safetensors",
+                "tokenizer_config.json, special_tokens_map.json, chat_template.jinja, generation_config.json) and "
+                "model.safetensors or model.safetensors.index.json with its model-NNNNN-of-NNNNN.safetensors",
             )
         if len(set(names)) != len(names):
             raise InvalidInput("files", "holds one file name twice")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,23 @@ def test_prompt_tokens_are_counted_with_the_deployments_tokenizer_and_chat_templ
     rendered = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert isinstance(rendered, str)
     assert counter.count_chat(messages) == len(reference(rendered, add_special_tokens=False).input_ids)
+
+
+def test_a_chat_template_in_chat_template_jinja_counts_as_transformers_renders_it(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    # A pretrained folder of transformers 4.43+ (a deployment serves it as it is): the template
+    # lies beside the config, not in it.
+    folder = tmp_path / "folder"
+    shutil.copytree(tiny_checkpoint, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    own = "{% for m in messages %}{{ m['role'] | upper + ' says ' + m['content'] + '\n' }}{% endfor %}ASSISTANT says"
+    (folder / "chat_template.jinja").write_text(own)
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sees three apples"}]
+    rendered = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert isinstance(rendered, str) and rendered.startswith("SYSTEM says be brief")
+    assert PromptCounter(folder).count_chat(messages) == len(reference(rendered, add_special_tokens=False).input_ids)
 
 
 def test_a_prompt_that_leaves_no_room_for_a_completion_is_rejected(model: ServedModel) -> None:

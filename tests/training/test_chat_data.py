@@ -114,3 +114,23 @@ def test_the_export_of_a_chat_fine_tune_renders_chats_as_training_did(tmp_path: 
     assert served.apply_chat_template(CHAT, tokenize=False) == ChatTemplate(OWN_TEMPLATE).render(CHAT)
     prompt = served.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True)
     assert ChatTemplate(OWN_TEMPLATE).render(CHAT[:3]).startswith(prompt)
+
+
+def test_a_template_in_chat_template_jinja_or_a_named_list_is_the_tokenizers_own(tmp_path: Path) -> None:
+    # transformers 4.43+ saves a tokenizer's template beside its config (Llama 3.x's and Qwen's
+    # folders), or a config holds named templates: the "default" one is the chat template.
+    dataset = write_chats(tmp_path / "chat.jsonl")
+    rendered = "<|im_start|>system: Answer briefly.<|im_end|><|im_start|>user: Capital of France?<|im_end|>"
+    beside = tokenizer_with(None, tmp_path / "beside")
+    (beside / "chat_template.jinja").write_text(OWN_TEMPLATE)
+    named = tokenizer_with(None, tmp_path / "named")
+    config = json.loads((named / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": CHAT_TEMPLATE}, {"name": "default", "template": OWN_TEMPLATE}]
+    (named / "tokenizer_config.json").write_text(json.dumps(config))
+    for given in (beside, named):
+        cfg = DataConfig(dataset=str(dataset), tokenizer=str(given))
+        prepared = prepare_data(cfg, vocab_size=400, seq_len=8, work_dir=tmp_path / f"work-{given.name}")
+        tokenizer = Tokenizer.from_file(str(prepared.tokenizer_dir / "tokenizer.json"))
+        assert tokenizer.decode(np.asarray(prepared.tokens()).tolist(), skip_special_tokens=False).startswith(rendered)
+        # Folded into the config the checkpoint and its export carry, which serving reads.
+        assert json.loads((prepared.tokenizer_dir / "tokenizer_config.json").read_text())["chat_template"] == OWN_TEMPLATE
