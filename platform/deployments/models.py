@@ -36,6 +36,9 @@ class Deployment(models.Model):
     pretrained = models.ForeignKey(
         PretrainedModel, on_delete=models.PROTECT, null=True, blank=True, related_name="deployments"
     )
+    # A LoRA run's checkpoint served as one whole model, its adapters merged into its base
+    # (runs.exports.export_merged), rather than attached to a deployment of the base.
+    merged = models.BooleanField(default=False)
     # The int8/int4 export its replicas serve (the API's `quantization`); null: the checkpoint's
     # own export. A deployment whose quantized export is not ready yet stays pending until the
     # quantize task, once it is, starts it.

@@ -34,6 +34,7 @@ from controlplane.observability import V1_USAGE
 from deployments.models import ApiKey, Deployment
 from deployments.ratelimit import Limiter, limiter_for_settings
 from deployments.usage import USAGE
+from runs.exports import merged_folder
 from serving.app import Receive, Scope, Send, read_body, send_json, send_response
 from serving.export_store import local_copy
 from serving.gateway import Gateway, deployment_gateway
@@ -63,8 +64,14 @@ class Served:
 
     @classmethod
     def of(cls, deployment: Deployment) -> Served:
-        # Its tokenizer's folder: the pretrained model's own, or the checkpoint's export.
-        source = deployment.pretrained.path if deployment.pretrained else deployment.checkpoint.export_path  # type: ignore[union-attr]
+        # Its tokenizer's folder: the pretrained model's own, or the checkpoint's export (each
+        # export carries the run's tokenizer, the merged one too).
+        if deployment.pretrained is not None:
+            source = deployment.pretrained.path
+        elif deployment.merged:
+            source = str(merged_folder(deployment.checkpoint))  # type: ignore[arg-type]
+        else:
+            source = deployment.checkpoint.export_path  # type: ignore[union-attr]
         return cls(
             pk=deployment.pk,
             model=deployment.served_model_name,

@@ -65,6 +65,11 @@ class DeploymentSerializer(ModelSerializer):
         "`checkpoint`.",
     )  # fmt: skip
     adapters = AdapterSerializer(many=True, read_only=True)
+    merged = serializers.BooleanField(
+        default=False,
+        help_text="For a LoRA run's checkpoint: serve its adapters merged into its base as one model (else attach "
+        "it to a deployment of its base).",
+    )
     replicas = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS, default=1)
     options = OptionsField(default=dict, help_text="vLLM options (see serving.vllm).")
     replica_set = ReplicaSerializer(many=True, read_only=True)
@@ -83,6 +88,7 @@ class DeploymentSerializer(ModelSerializer):
             "name",
             "checkpoint",
             "pretrained",
+            "merged",
             "served_model_name",
             "replicas",
             "options",

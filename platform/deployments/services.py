@@ -40,16 +40,19 @@ def check_served_model_name(name: str, field: str = "served_model_name") -> str:
     return name
 
 
-def check_not_an_adapter(checkpoint: Checkpoint) -> None:
-    """A LoRA run's checkpoint holds adapters, not a model: it is served on a deployment of its base."""
+def check_what_is_served(checkpoint: Checkpoint, merged: bool) -> None:
+    """A LoRA run's checkpoint holds adapters, not a model: it is served merged into its base, or
+    attached to a deployment of its base. `merged` asks for the first, and only such a one has it."""
     run = checkpoint.run
-    if run.lora_rank:
+    if merged and not run.lora_rank:
+        raise InvalidInput("merged", f"{run.name!r} is a full fine-tune: its checkpoint is a whole model already")
+    if run.lora_rank and not merged:
         base = run.pretrained.name if run.pretrained else "its base"
         raise InvalidInput(
             "checkpoint",
-            f"step {checkpoint.step} of {run.name!r} holds LoRA adapters, not a whole model: deploy its base "
-            f"(the pretrained model {base!r}, with options.max_loras of 1 or more) and attach it there "
-            "(POST /api/deployments/<id>/adapters/)",
+            f"step {checkpoint.step} of {run.name!r} holds LoRA adapters, not a whole model: deploy it merged "
+            f"into its base (merged: true), or deploy its base (the pretrained model {base!r}, with "
+            "options.max_loras of 1 or more) and attach it there (POST /api/deployments/<id>/adapters/)",
         )
 
 
@@ -104,19 +107,25 @@ def do_create_deployment(
     options: dict[str, Any],
     quantization: str = "none",
     pretrained: PretrainedModel | None = None,
+    merged: bool = False,
 ) -> Deployment:
     """Creates the deployment and queues its start. With `quantization` int8 or int4 it serves
     the checkpoint's quantized export: made first (queued here) when there is none yet, the
     deployment staying pending until `quantized_export_finished` starts it. With `pretrained`
-    instead of a checkpoint it serves that model's folder as it is."""
+    instead of a checkpoint it serves that model's folder as it is; `merged` serves a LoRA run's
+    checkpoint merged into its base."""
     if pretrained is not None:
+        if merged:
+            raise InvalidInput("merged", "merges a LoRA run's checkpoint into its base; a pretrained model is whole")
         return _create_pretrained_deployment(
             owner, pretrained, name=name, served_model_name=served_model_name, replicas=replicas, options=options,
             quantization=quantization,
         )  # fmt: skip
     assert checkpoint is not None
     check_checkpoint(checkpoint)
-    check_not_an_adapter(checkpoint)
+    check_what_is_served(checkpoint, merged)
+    if merged and quantization != "none":
+        raise InvalidInput("quantization", "Fathom quantizes whole exports; a merged LoRA is served as it is (none)")
     check_quantization(quantization, options)
     served = check_served_model_name(
         served_model_name or f"{checkpoint.run.name}-step{checkpoint.step}".replace(" ", "-")
@@ -135,12 +144,14 @@ def do_create_deployment(
             owner=owner,
             name=name or served,
             checkpoint=checkpoint,
+            merged=merged,
             quantized_export=quantized_export,
             served_model_name=served,
             replicas=replicas,
             options=resolved,
         )
-        do_record(deployment, "created", {"replicas": replicas, "checkpoint": checkpoint.pk, "quantization": quantization})
+        created = {"replicas": replicas, "checkpoint": checkpoint.pk, "quantization": quantization}
+        do_record(deployment, "created", {**created, "merged": True} if merged else created)
         if quantized_export is not None and not quantized.is_ready(quantized_export):
             do_record(deployment, "waiting_for_quantization", {
                 "quantized_export": quantized_export.pk, "scheme": quantization, "queued": queued,

@@ -100,12 +100,15 @@ def _request(
 
 def _export_path(deployment: Deployment) -> str:
     """The folder (or object-storage URL) its replicas serve: a pretrained model's own folder, a
-    quantized export, or the checkpoint's export (made now if there is none yet)."""
+    quantized export, or the checkpoint's export, merged for a LoRA run's (made now if there is
+    none yet)."""
     if deployment.pretrained is not None:
         return deployment.pretrained.path
     if deployment.quantized_export is not None:
         return deployment.quantized_export.path
     assert deployment.checkpoint is not None
+    if deployment.merged:
+        return exports.export_merged(deployment.checkpoint)
     return exports.export(deployment.checkpoint)
 
 

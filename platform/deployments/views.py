@@ -56,6 +56,7 @@ class DeploymentViewSet(
             self.request.user,
             data.get("checkpoint"),
             pretrained=data.get("pretrained"),
+            merged=data["merged"],
             name=data.get("name", ""),
             served_model_name=data.get("served_model_name", ""),
             replicas=data["replicas"],

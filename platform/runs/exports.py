@@ -38,24 +38,20 @@ def is_exported(checkpoint: Checkpoint) -> bool:
         return False
     if export_store.is_remote(checkpoint.export_path):
         return export_store.read_manifest(checkpoint.export_path) is not None
-    return (Path(checkpoint.export_path) / "config.json").exists()
+    folder = Path(checkpoint.export_path)
+    return (folder / "config.json").exists() or (folder / "adapter_config.json").exists()  # a model, or a LoRA's adapters
 
 
 def export(checkpoint: Checkpoint) -> str:
     """Exports once and returns where the export is (a folder, or a URL on object storage); an
-    export already whole is reused."""
+    export already whole is reused. A LoRA run's checkpoint exports as its PEFT adapter folder."""
     try:
         if is_exported(checkpoint):
             return checkpoint.export_path
     except export_store.ExportStoreError as exc:
         raise ExportFailed(str(exc)) from None
     staging = checkpoint.run.run_dir.export_staging(checkpoint.step)
-    result = subprocess.run(
-        [settings.TRAINING_PYTHON, "-m", "training.export", checkpoint.path, str(staging)],
-        cwd=settings.REPO_DIR, env=python_env(), capture_output=True, text=True, timeout=EXPORT_TIMEOUT_SECONDS,
-    )
-    if result.returncode != 0:
-        raise ExportFailed(f"export of step {checkpoint.step} failed: {result.stderr.strip()[-2000:]}")
+    _run_export(checkpoint, staging)
     if local_root(checkpoint.path) is None:
         where = _upload(checkpoint, staging)
     else:
@@ -67,6 +63,36 @@ def export(checkpoint: Checkpoint) -> str:
         where = str(out)
     Checkpoint.objects.filter(pk=checkpoint.pk).update(export_path=where)
     return where
+
+
+def merged_folder(checkpoint: Checkpoint) -> Path:
+    """Where a LoRA checkpoint's merged export is kept: beside its adapter export, in the run folder."""
+    folder = export_folder(checkpoint)
+    return folder.with_name(f"{folder.name}-merged")
+
+
+def export_merged(checkpoint: Checkpoint) -> str:
+    """A LoRA run's checkpoint as a whole model, its adapters merged into its base (made once,
+    in the run folder: a deployment of it serves it as any export)."""
+    out = merged_folder(checkpoint)
+    if (out / "config.json").exists():
+        return str(out)
+    staging = out.with_name(f".{out.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    _run_export(checkpoint, staging, "--merged")
+    if out.exists():
+        shutil.rmtree(out)
+    staging.replace(out)  # whole or not there: a crash mid-export leaves no half model
+    return str(out)
+
+
+def _run_export(checkpoint: Checkpoint, out: Path, *flags: str) -> None:
+    result = subprocess.run(
+        [settings.TRAINING_PYTHON, "-m", "training.export", checkpoint.path, str(out), *flags],
+        cwd=settings.REPO_DIR, env=python_env(), capture_output=True, text=True, timeout=EXPORT_TIMEOUT_SECONDS,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise ExportFailed(f"export of step {checkpoint.step} failed: {result.stderr.strip()[-2000:]}")
 
 
 def _upload(checkpoint: Checkpoint, staging: Path) -> str:

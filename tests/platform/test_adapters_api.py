@@ -8,11 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from django.test import Client
+from safetensors.torch import load_file
 
+from deployments import supervision
 from deployments.models import Adapter, Deployment
+from runs import exports
 from runs.models import Checkpoint, PretrainedModel, Run
 from tests.platform.test_pretrained_api import upload, write_llama_folder
+from tests.serving.conftest import lora_checkpoint_on
+from training.export import export
 
 pytestmark = pytest.mark.django_db
 
@@ -141,3 +147,29 @@ def test_each_wrong_attach_names_its_field_and_stores_nothing(alice_api, bob_api
     stopped = alice_api.post(url, {"checkpoint": tuned.pk, "name": "late"}, format="json")
     assert stopped.status_code == 409 and list(stopped.json()) == ["status"]
     assert list(Adapter.objects.values_list("name", flat=True)) == ["tuned-step4"]
+
+
+def test_a_lora_checkpoint_is_deployed_merged_into_its_base_on_request(alice_api, base, alice, tmp_path, settings):
+    """With a real LoRA run's checkpoint: `merged: true` deploys it as one model, exported (as
+    the start task does) by `training.export --merged` beside its adapter export."""
+    settings.RUNS_DIR = tmp_path / "runs"
+    trained = lora_checkpoint_on(Path(base.path), tmp_path / "lora")
+    run = Run.objects.create(owner=alice, name="tuned", status="succeeded", pretrained=base, spec={"lora": {"rank": 8}})
+    lora = Checkpoint.objects.create(run=run, step=6, path=str(trained))
+    full = checkpoint_of(alice, tmp_path, "full", rank=0, pretrained=None)
+    refused = alice_api.post("/api/deployments/", {"checkpoint": full.pk, "merged": True}, format="json")
+    assert refused.status_code == 400 and list(refused.json()) == ["merged"]
+    quantized = alice_api.post("/api/deployments/", {"checkpoint": lora.pk, "merged": True, "quantization": "int8"}, format="json")
+    assert quantized.status_code == 400 and list(quantized.json()) == ["quantization"]
+
+    created = alice_api.post("/api/deployments/", {"checkpoint": lora.pk, "merged": True}, format="json")
+    assert created.status_code == 201, created.content
+    assert (created.json()["merged"], created.json()["served_model_name"]) == (True, "tuned-step6")
+    deployment = Deployment.objects.get(pk=created.json()["id"])
+    served = Path(supervision._export_path(deployment))
+    assert served == exports.merged_folder(lora)
+    reference = export(trained, tmp_path / "merged")
+    ours, theirs = load_file(str(served / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert (served / "tokenizer.json").is_file()
+    assert supervision._export_path(deployment) == str(served)  # made once
