@@ -87,6 +87,15 @@ def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
         "keep_checkpoints": int(run.spec.get("train", {}).get("keep_checkpoints", 0)) or None,
         # A read-only member of the run's project sees no buttons that would answer 403.
         "can_change": access.can_change(request.user, run),
+        # A LoRA run's checkpoint deploys merged into its base, or attaches to one of the
+        # viewer's deployments of that base that serve adapters.
+        "lora_rank": run.lora_rank,
+        "attach_to": list(
+            Deployment.objects.filter(
+                owner=request.user, pretrained_id=run.pretrained_id, status__in=Deployment.ACTIVE,
+                options__max_loras__gte=1,
+            ).values("id", "served_model_name")
+        ) if run.lora_rank and run.pretrained_id else [],
     }
     mine = run.owner_id == request.user.pk
     # Its owner may move the run into a project they may write to, or out of one.

@@ -239,10 +239,29 @@ function openDeploy(checkpoint) {
   $("deploy-step").textContent = String(checkpoint.step);
   $("deploy-name").value = `${run.name} step ${checkpoint.step}`;
   $("deploy-max-len").placeholder = run.seq_len ? String(run.seq_len) : "the checkpoint's";
-  $("deploy-quantization").replaceChildren(...quantizationChoices(checkpoint));
+  $("deploy-quantization").replaceChildren(
+    ...(run.lora_rank ? [h("option", { value: "none" }, "none (merged export)")] : quantizationChoices(checkpoint)),
+  );
+  // A LoRA run's checkpoint: merged into its base, or attached to a deployment of that base.
+  $("deploy-how-field").hidden = !run.lora_rank;
+  $("deploy-how").replaceChildren(
+    h("option", { value: "merged" }, "merged into its base, as a deployment of its own"),
+    ...(run.attach_to || []).map((d) => h("option", { value: `attach:${d.id}` }, `as an adapter on ${d.served_model_name}`)),
+  );
+  showHow();
   $("deploy-error").hidden = true;
   deployDialog.showModal();
 }
+
+/** An adapter shares its deployment's replicas: only its name (a model name) is asked for. */
+function showHow() {
+  const attaching = $("deploy-how").value.startsWith("attach:");
+  for (const own of deployDialog.querySelectorAll("[data-own-deployment]")) own.hidden = attaching;
+  $("deploy-name").value = attaching
+    ? `${run.name}-step${deploying.step}`.replace(/\s+/g, "-")
+    : `${run.name} step ${deploying.step}`;
+}
+$("deploy-how").addEventListener("change", showHow);
 
 /** The deploy form's quantization choices, each with the size of the export it serves and, once
  * measured, its top-1 agreement with the float export. fp8 is vLLM's own, applied at load. */
@@ -280,11 +299,22 @@ $("deploy-form").addEventListener("submit", async (event) => {
   const maxLen = Number($("deploy-max-len").value) || run.seq_len;
   if (maxLen) options.max_model_len = maxLen;
   if ($("deploy-eager").checked) options.enforce_eager = true;
+  const how = run.lora_rank ? $("deploy-how").value : "";
   try {
+    if (how.startsWith("attach:")) {
+      const target = how.slice("attach:".length);
+      await api(`/api/deployments/${target}/adapters/`, {
+        method: "POST",
+        json: { checkpoint: deploying.id, name: $("deploy-name").value.trim() },
+      });
+      location.assign(`/deployments/${target}`);
+      return;
+    }
     const deployment = await api("/api/deployments/", {
       method: "POST",
       json: {
         checkpoint: deploying.id,
+        merged: how === "merged",
         name: $("deploy-name").value.trim(),
         replicas: Number($("deploy-replicas").value) || 1,
         quantization: quantization === "fp8" ? "none" : quantization,
