@@ -155,7 +155,8 @@ def app_for_deployment(state_dir: str | Path) -> ASGIApp:
 
     config = DeploymentConfig.from_dict(json.loads(DeploymentDir(Path(state_dir)).config_file.read_text()))
     gateway = deployment_gateway(
-        name=config.name, max_model_len=config.options.max_model_len, checkpoint=config.export, state_dir=state_dir
+        name=config.name, max_model_len=config.options.max_model_len, checkpoint=config.export, state_dir=state_dir,
+        routing=config.routing,
     )
     return create_app(gateway)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serving.routing import DEFAULT_POLICY, POLICIES
 from serving.state import DeploymentDir, write_atomic
 from serving.vllm import OptionError, ReplicaOptions
 from training.ports import REPLICA_PORTS
@@ -36,6 +37,9 @@ class DeploymentConfig:
     # (`adapter_config.json`, `adapter_model.safetensors`). Replicas start with them; a change
     # reaches running replicas without a restart (`request_adapters`). Needs options.max_loras.
     adapters: dict[str, str] = field(default_factory=dict)
+    # How routers choose a replica for a request (serving.routing): by prompt prefix, least
+    # loaded, or round robin.
+    routing: str = DEFAULT_POLICY
     # The deployment's number of this supervisor's first replica: a deployment spread over hosts
     # runs one supervisor per host, on replicas first_replica … first_replica + replicas - 1.
     first_replica: int = 0
@@ -102,6 +106,8 @@ class DeploymentConfig:
         if isinstance(self.options, dict):
             object.__setattr__(self, "options", ReplicaOptions.from_dict(self.options))
         self._check_adapters()
+        if self.routing not in POLICIES:
+            raise OptionError("routing", f"must be one of {', '.join(POLICIES)}; got {self.routing!r}")
         object.__setattr__(self, "cpu_binds", tuple(self.cpu_binds))
         ports = tuple(self.ports)
         object.__setattr__(self, "ports", ports)

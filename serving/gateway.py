@@ -18,6 +18,7 @@ from typing import Any
 from serving.openai_errors import OpenAIError, invalid_request
 from serving.openai_requests import PromptCounter, ServedModel, check_request, request_weight
 from serving.router import ProxyResponse, Router, StateFileReplicas, error_response
+from serving.routing import DEFAULT_POLICY
 
 
 @dataclass
@@ -90,11 +91,14 @@ class Gateway:
         return await served[model.name][1].router.forward(path, body, weight=request_weight(path, body))
 
 
-def deployment_gateway(*, name: str, max_model_len: int, checkpoint: str, state_dir: str | Path) -> Gateway:
+def deployment_gateway(
+    *, name: str, max_model_len: int, checkpoint: str, state_dir: str | Path, routing: str = DEFAULT_POLICY
+) -> Gateway:
     """A gateway for one deployment: prompts counted with its checkpoint's tokenizer (none when
-    `checkpoint` is empty), requests routed to the routable replicas its supervisor writes to
-    `state_dir`. The control plane's /v1 endpoint and `serving.app` both build theirs here."""
+    `checkpoint` is empty), requests routed by its `routing` policy to the routable replicas its
+    supervisor writes to `state_dir`. The control plane's /v1 endpoint and `serving.app` both
+    build theirs here."""
     model = ServedModel(name=name, max_model_len=max_model_len, counter=PromptCounter(checkpoint) if checkpoint else None)
     gateway = Gateway()
-    gateway.add(model, Router(StateFileReplicas(state_dir), model=name))
+    gateway.add(model, Router(StateFileReplicas(state_dir), model=name, policy=routing))
     return gateway

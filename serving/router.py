@@ -1,4 +1,4 @@
-"""Route OpenAI requests to the least-loaded healthy replica of a deployment.
+"""Route OpenAI requests to a healthy replica of a deployment, by its routing policy.
 
 Layers, as in TGI: the HTTP view (Django's, or `serving.app` standalone) validates with
 `serving.openai_requests.check_request` and calls `Router.forward`; the router depends only on the
@@ -9,8 +9,10 @@ whole per-token cost, and a general client's reading path was nearly half of it 
 says what was measured).
 
 Choice: among routable replicas (the source says ready, and this router has not seen a
-connection to it fail in the last `eject_s`), the one with the fewest requests this router has
-in flight; ties go round-robin. Failover: if a replica refuses the connection or drops it before
+connection to it fail in the last `eject_s`), the one the deployment's policy picks
+(`serving.routing`: by prompt prefix, the default; least loaded; round robin), a replica's load
+being the larger of this router's requests in flight to it and its own running + waiting
+requests. Failover: if a replica refuses the connection or drops it before
 the response head, the request goes to the next replica (nothing was generated, so nothing is
 repeated). Once bytes flow, a failure ends the response with an OpenAI error (a final SSE
 `data: {"error": ...}` event for streams).
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -40,6 +41,7 @@ from serving.openai_errors import (
     upstream_timeout,
 )
 from serving.replica_http import BackendBrokeOff, BackendTimeout, BackendUnavailable, ReplicaPool
+from serving.routing import DEFAULT_POLICY, ReplicaLoads, chooser, prefix_of
 from serving.state import read_state, state_files
 
 log = logging.getLogger(__name__)
@@ -294,7 +296,7 @@ def error_response(error: OpenAIError) -> ProxyResponse:
 
 
 class Router:
-    """Least-outstanding routing with failover over one deployment's replicas."""
+    """Routing by the deployment's policy, with failover, over one deployment's replicas."""
 
     def __init__(
         self,
@@ -304,9 +306,17 @@ class Router:
         backend_factory: Callable[[ReplicaEndpoint], Backend] | None = None,
         timeouts: Timeouts = Timeouts(),
         eject_s: float = 5.0,
+        policy: str = DEFAULT_POLICY,
+        replica_loads: ReplicaLoads | None = None,
     ) -> None:
         self.model = model
+        self.policy = policy
+        self._chooser = chooser(policy)
         self._source = source
+        # The replicas' own counts: HTTP replicas are read; scripted backends (tests) report none.
+        self._replica_loads = replica_loads or (
+            ReplicaLoads(lambda: [e.url for e in source.endpoints()]) if backend_factory is None else None
+        )
         self._timeouts = timeouts
         self._http = HttpClient(timeouts)
         self._factory = backend_factory or (lambda e: HttpBackend(e.key, e.url, self._http))
@@ -316,9 +326,10 @@ class Router:
         # eject_s: after a failed connection, how long this router leaves the replica alone; the
         # supervisor's state file catches up within its probe interval.
         self._eject_s = eject_s
-        self._tiebreak = itertools.count()
 
     async def aclose(self) -> None:
+        if self._replica_loads is not None:
+            await self._replica_loads.aclose()
         await self._http.aclose()
 
     def outstanding(self) -> dict[str, int]:
@@ -357,13 +368,19 @@ class Router:
                 self._outstanding.pop(key, None)
                 self._ejected_until.pop(key, None)
 
-    def pick(self, exclude: AbstractSet[str] = frozenset(), model: str | None = None) -> Backend | None:
-        candidates = [b for b in self.routable(model) if b.key not in exclude]
-        if not candidates:
-            return None
-        least = min(self._outstanding.get(b.key, 0) for b in candidates)
-        tied = [b for b in candidates if self._outstanding.get(b.key, 0) == least]
-        return tied[next(self._tiebreak) % len(tied)]
+    def load(self, key: str) -> int:
+        """Requests on a replica: this router's in flight, or the replica's own count if larger
+        (it includes other web processes' requests)."""
+        mine = self._outstanding.get(key, 0)
+        return max(mine, self._replica_loads.of(key)) if self._replica_loads is not None else mine
+
+    def pick(
+        self, exclude: AbstractSet[str] = frozenset(), model: str | None = None, prefix: str | None = None
+    ) -> Backend | None:
+        candidates = {b.key: b for b in self.routable(model) if b.key not in exclude}
+        if len(candidates) <= 1:  # nothing to choose (and no replica's load to read)
+            return next(iter(candidates.values()), None)
+        return candidates[self._chooser.choose(list(candidates), self.load, prefix)]
 
     def _acquire(self, key: str, weight: int) -> None:
         self._outstanding[key] = self._outstanding.get(key, 0) + weight
@@ -390,7 +407,9 @@ class Router:
         tried: set[str] = set()
         last_failure = ""
         model = body.get("model")
-        while (backend := self.pick(tried, model if isinstance(model, str) else None)) is not None:
+        model = model if isinstance(model, str) else None
+        prefix = prefix_of(path, body) if self.policy == "prefix" else None
+        while (backend := self.pick(tried, model, prefix)) is not None:
             tried.add(backend.key)
             self._acquire(backend.key, weight)
             try:
@@ -417,7 +436,7 @@ class Router:
             return await self._whole(backend.key, weight, upstream)
         if last_failure:
             return error_response(upstream_failed(f"no replica could be reached (last: {last_failure})"))
-        return error_response(no_replica_available(model if isinstance(model, str) else self.model))
+        return error_response(no_replica_available(model or self.model))
 
     def _stream(self, key: str, weight: int, upstream: UpstreamResponse, tap: UsageTap) -> RelayStream:
         return RelayStream(

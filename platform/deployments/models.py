@@ -12,6 +12,7 @@ from django.db import models
 
 from controlplane.events import Event
 from runs.models import Checkpoint, PretrainedModel, QuantizedExport
+from serving.routing import DEFAULT_POLICY, POLICIES
 
 
 class Deployment(models.Model):
@@ -47,6 +48,9 @@ class Deployment(models.Model):
     )
     served_model_name = models.CharField(max_length=200, unique=True)
     replicas = models.PositiveIntegerField(default=1)
+    # How /v1 chooses a replica (serving.routing): by prompt prefix (vLLM's prefix cache then
+    # holds a shared system prompt on one replica), least loaded, or round robin.
+    routing = models.CharField(max_length=20, choices=[(p, p) for p in POLICIES], default=DEFAULT_POLICY)
     options = models.JSONField(default=dict, blank=True, help_text="vLLM options, validated by serving.vllm.")
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING, db_index=True)
     status_reason = models.TextField(blank=True)

@@ -61,6 +61,7 @@ class Served:
     export_path: str
     max_model_len: int
     folder: Path
+    routing: str
 
     @classmethod
     def of(cls, deployment: Deployment) -> Served:
@@ -79,6 +80,7 @@ class Served:
             export_path=source,
             max_model_len=int(deployment.options.get("max_model_len", 1024)),
             folder=deployment.folder,
+            routing=deployment.routing,
         )
 
 
@@ -102,6 +104,7 @@ class Gateways:
                 if served.export_path
                 else "",
                 state_dir=served.folder,
+                routing=served.routing,
             )
         return gateway
 

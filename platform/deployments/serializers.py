@@ -10,6 +10,7 @@ from deployments.models import Adapter, ApiKey, Deployment, DeploymentEvent, Rep
 from deployments.services import QUANTIZATION_CHOICES
 from runs.models import Checkpoint, PretrainedModel
 from serving.deployment_config import MAX_REPLICAS
+from serving.routing import DEFAULT_POLICY, POLICIES
 
 
 @extend_schema_field({"type": "object", "additionalProperties": True})
@@ -65,6 +66,13 @@ class DeploymentSerializer(ModelSerializer):
         "`checkpoint`.",
     )  # fmt: skip
     adapters = AdapterSerializer(many=True, read_only=True)
+    routing = serializers.ChoiceField(
+        choices=POLICIES,
+        default=DEFAULT_POLICY,
+        error_messages={"invalid_choice": f"must be one of {', '.join(POLICIES)}; got {{input!r}}"},
+        help_text="How /v1 chooses a replica: prefix (requests sharing a prompt prefix go to one replica while its "
+        "load stays within 1.25× the mean, so its prefix cache serves them), least_loaded or round_robin.",
+    )
     merged = serializers.BooleanField(
         default=False,
         help_text="For a LoRA run's checkpoint: serve its adapters merged into its base as one model (else attach "
@@ -91,6 +99,7 @@ class DeploymentSerializer(ModelSerializer):
             "merged",
             "served_model_name",
             "replicas",
+            "routing",
             "options",
             "quantization",
             "quantized_export",

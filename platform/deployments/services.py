@@ -21,6 +21,7 @@ from notifications.services import DEPLOYMENT_EVENTS, notify_on_commit
 from runs import exports, quantized
 from runs.models import Checkpoint, PretrainedModel, QuantizedExport
 from serving.export_store import ExportStoreError
+from serving.routing import DEFAULT_POLICY
 from serving.state import replica_log
 from training.checkpoint_storage import is_committed_at
 from training.storage import local_root
@@ -108,6 +109,7 @@ def do_create_deployment(
     quantization: str = "none",
     pretrained: PretrainedModel | None = None,
     merged: bool = False,
+    routing: str = DEFAULT_POLICY,
 ) -> Deployment:
     """Creates the deployment and queues its start. With `quantization` int8 or int4 it serves
     the checkpoint's quantized export: made first (queued here) when there is none yet, the
@@ -119,7 +121,7 @@ def do_create_deployment(
             raise InvalidInput("merged", "merges a LoRA run's checkpoint into its base; a pretrained model is whole")
         return _create_pretrained_deployment(
             owner, pretrained, name=name, served_model_name=served_model_name, replicas=replicas, options=options,
-            quantization=quantization,
+            quantization=quantization, routing=routing,
         )  # fmt: skip
     assert checkpoint is not None
     check_checkpoint(checkpoint)
@@ -148,6 +150,7 @@ def do_create_deployment(
             quantized_export=quantized_export,
             served_model_name=served,
             replicas=replicas,
+            routing=routing,
             options=resolved,
         )
         created = {"replicas": replicas, "checkpoint": checkpoint.pk, "quantization": quantization}
@@ -164,7 +167,7 @@ def do_create_deployment(
 
 def _create_pretrained_deployment(
     owner: Any, pretrained: PretrainedModel, *, name: str, served_model_name: str, replicas: int,
-    options: dict[str, Any], quantization: str,
+    options: dict[str, Any], quantization: str, routing: str,
 ) -> Deployment:  # fmt: skip
     if quantization != "none":
         raise InvalidInput(
@@ -175,7 +178,7 @@ def _create_pretrained_deployment(
     with transaction.atomic():
         deployment = Deployment.objects.create(
             owner=owner, name=name or served, pretrained=pretrained, served_model_name=served, replicas=replicas,
-            options=resolved,
+            options=resolved, routing=routing,
         )  # fmt: skip
         do_record(deployment, "created", {"replicas": replicas, "pretrained": pretrained.pk, "quantization": "none"})
         enqueue_on_commit("deployments.tasks.start_deployment", deployment.pk)

@@ -66,6 +66,7 @@ def config_for(
         first_replica=group.first_replica if group is not None else 0,
         options=options,
         adapters=adapters or {},
+        routing=deployment.routing,
         # Replicas listen on their host's address, where the router reaches them.
         host=host.address if host is not None else "127.0.0.1",
         ports=(settings.REPLICA_PORTS.start, settings.REPLICA_PORTS.stop - 1),

@@ -57,6 +57,7 @@ class DeploymentViewSet(
             data.get("checkpoint"),
             pretrained=data.get("pretrained"),
             merged=data["merged"],
+            routing=data["routing"],
             name=data.get("name", ""),
             served_model_name=data.get("served_model_name", ""),
             replicas=data["replicas"],

@@ -312,7 +312,12 @@ def test_a_deployment_on_two_namespace_hosts_serves_through_v1_across_the_loss_o
     )  # fmt: skip
     checkpoint = cluster.api.get(f"/api/runs/{trained['id']}/checkpoints/").json()[-1]
     options = {"dtype": "float32", "enforce_eager": True, "max_model_len": 64, "max_num_seqs": 4, "kv_cache_gib": 1}
-    body = {"checkpoint": checkpoint["id"], "replicas": 2, "options": options, "served_model_name": "spread"}
+    # Round robin: the same chat, sent one at a time, reaches both hosts' replicas (by prefix, the
+    # default, it would stay on one).
+    body = {
+        "checkpoint": checkpoint["id"], "replicas": 2, "options": options, "served_model_name": "spread",
+        "routing": "round_robin",
+    }  # fmt: skip
     created = cluster.api.post("/api/deployments/", json=body)
     assert created.status_code == 201, created.text
     deployment_id = created.json()["id"]
@@ -335,7 +340,7 @@ def test_a_deployment_on_two_namespace_hosts_serves_through_v1_across_the_loss_o
         urls = {r["index"]: r["url"].split("//")[1].split(":")[0] for r in deployment()["replica_set"]}
         assert urls == by_replica and set(urls.values()) == addresses
         key = cluster.api.post(f"/api/deployments/{deployment_id}/keys/", json={"name": "t"}).json()["key"]
-        # Enough chats that the router, taking the replica with the fewest in flight, uses both.
+        # Enough chats that the router, taking each replica in turn, uses both.
         for _ in range(4):
             chat = httpx.post(
                 f"{cluster.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,

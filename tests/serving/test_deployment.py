@@ -256,6 +256,35 @@ async def test_metrics_of_a_real_replica_show_load_tokens_and_ttft(deployment: R
     assert histogram_quantile(raw, "vllm:time_to_first_token_seconds", 0.5) == after.ttft_p50_s
 
 
+async def test_requests_sharing_a_prompt_prefix_reach_one_replica_whose_prefix_cache_serves_them(
+    deployment: RunningDeployment,
+) -> None:
+    # A shared system prompt longer than the router's prefix, then each user's own question.
+    system = "You answer for the bakery on the corner of the river street, open from six to two. " * 8
+
+    def hits(samples: dict) -> float:
+        return sum(v for (name, _), v in samples.items() if name == "vllm:prefix_cache_hits_total")
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        before = {url: hits(parse_prometheus((await client.get(f"{url}/metrics")).text)) for url in deployment.ready_urls()}
+        one_by_one = [
+            await stream_completion(client, deployment.router_url, prompt=f"{system}Question {i}?", max_tokens=4)
+            for i in range(6)
+        ]
+        (home,) = {r["replica"] for r in one_by_one}  # by prefix, the default: one replica
+        after = {url: hits(parse_prometheus((await client.get(f"{url}/metrics")).text)) for url in deployment.ready_urls()}
+        # vLLM's own counter: the home replica's cache served the shared blocks of the later five.
+        assert after[home] - before[home] >= 5 * 128, (before, after)
+        # Sent together, they spill to the other replica once the home one is loaded past the bound.
+        together = await asyncio.gather(*(
+            stream_completion(client, deployment.router_url, prompt=f"{system}Another question {i}?", max_tokens=64)
+            for i in range(8)
+        ))  # fmt: skip
+    assert {r["replica"] for r in together} == set(deployment.ready_urls())
+    assert sum(r["replica"] == home for r in together) >= 4
+    assert all(r["status"] == 200 and r["error"] is None for r in one_by_one + together)
+
+
 async def test_the_poll_loop_reports_each_replica_with_tokens_per_second(deployment: RunningDeployment) -> None:
     urls = deployment.ready_urls()
     samples: list[tuple[str, dict]] = []

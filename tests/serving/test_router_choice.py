@@ -240,7 +240,7 @@ class AdapterReplicas:
 async def test_an_adapters_requests_go_only_to_replicas_that_serve_it_and_the_gateway_lists_it_under_its_base() -> None:
     a, b = ScriptedBackend("a"), ScriptedBackend("b")
     by_key = {"a": a, "b": b}
-    router = Router(AdapterReplicas(), model="tiny", backend_factory=lambda e: by_key[e.key])
+    router = Router(AdapterReplicas(), model="tiny", backend_factory=lambda e: by_key[e.key], policy="least_loaded")
     gateway = Gateway()
     gateway.add(ServedModel(name="tiny", max_model_len=64), router)
     listed = {m["id"]: m.get("parent") for m in gateway.models()["data"]}
