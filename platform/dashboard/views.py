@@ -92,7 +92,7 @@ def run_page(request: HttpRequest, run_id: int) -> HttpResponse:
         "lora_rank": run.lora_rank,
         "attach_to": list(
             Deployment.objects.filter(
-                owner=request.user, pretrained_id=run.pretrained_id, status__in=Deployment.ACTIVE,
+                owner_id=request.user.pk, pretrained_id=run.pretrained_id, status__in=Deployment.ACTIVE,
                 options__max_loras__gte=1,
             ).values("id", "served_model_name")
         ) if run.lora_rank and run.pretrained_id else [],
