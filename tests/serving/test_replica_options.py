@@ -13,7 +13,7 @@ import pytest
 
 from hostworker.devices import cpu_flags
 from serving.deployment_config import DeploymentConfig, replica_gpus
-from serving.supervisor import engine_error
+from serving.replica_life import engine_error
 from serving.vllm import (
     REPLICA_SITE,
     CheckpointInfo,
