@@ -81,7 +81,10 @@ def greedy(url: str, model: str) -> list[list[int]]:
 
 async def closed_loop(url: str, model: str, concurrency: int, tokens: int, requests: int) -> float:
     """Output tokens/s of `concurrency` clients each streaming one completion after another."""
-    body = {"model": model, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": model, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
     pending = iter(
         [request_bytes(f"{url}/v1/completions", {**body, "prompt": PROMPTS[i % len(PROMPTS)]}) for i in range(requests)]
     )
