@@ -16,7 +16,7 @@ from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
 from deployments.models import Adapter, ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
-from hosts import capacity
+from launch import executors
 from notifications.services import DEPLOYMENT_EVENTS, notify_on_commit
 from runs import exports, quantized
 from runs.models import Checkpoint, PretrainedModel, QuantizedExport
@@ -210,8 +210,7 @@ def do_attach_adapter(deployment: Deployment, checkpoint: Checkpoint, name: str 
             "checkpoint",
             f"its adapters have rank {run.lora_rank}, more than this deployment's options.max_lora_rank ({max_rank})",
         )
-    # A supervisor started here records its pid; with none yet, a registered cluster places it on hosts.
-    if deployment.supervisor_pid is None and capacity.cluster_exists():
+    if not executors.for_deployment(deployment).change_adapters(deployment, None):
         raise InvalidInput(
             "deployment",
             "serves on hosts: adapters are attached, for now, to deployments whose replicas run on the control "

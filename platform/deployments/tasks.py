@@ -12,10 +12,10 @@ from deployments import quality, services, supervision
 from deployments.models import Deployment
 from hosts import scheduling
 from hosts.models import Host
+from launch import executors
 from runs import exports, quantized
 from runs import services as run_services
 from runs.models import QuantizedExport
-from serving.replica_adapters import request_adapters
 from serving.state import DeploymentDir
 
 # Deployments whose supervisor should be running.
@@ -64,7 +64,7 @@ def sync_adapters(self: Any, deployment_id: int) -> str:
         # Its start is under way: it may have read the rows before this change, so come back
         # once it has written its supervisor's config.
         raise self.retry()
-    signalled = request_adapters(deployment.folder, adapters)
+    signalled = executors.for_deployment(deployment).change_adapters(deployment, adapters)
     return f"{len(adapters)} adapters; supervisor {'signalled' if signalled else 'not running'}"
 
 

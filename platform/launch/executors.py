@@ -41,6 +41,7 @@ from launch import run_agents, slurm, slurm_options, supervisors
 from launch.slurm_options import SlurmOptions
 from launch.supervisors import Started, SupervisorRequest
 from runs.models import Run
+from serving.replica_adapters import request_adapters
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,12 @@ class Executor(Protocol):
         None where they run on this machine."""
         ...
 
+    def change_adapters(self, deployment: Deployment, adapters: dict[str, str] | None) -> bool:
+        """Has the deployment's running supervisors serve these LoRA adapters (name → PEFT
+        folder) without a restart; None only asks whether this executor can. False where it
+        cannot (supervisors on hosts, for now), or none runs."""
+        ...
+
 
 class LocalExecutor:
     """Agents and supervisors as detached processes of this machine (agents under their per-node
@@ -194,6 +201,10 @@ class LocalExecutor:
 
     def replica_hosts(self, kind: str) -> list[Host] | None:
         return None
+
+    def change_adapters(self, deployment: Deployment, adapters: dict[str, str] | None) -> bool:
+        """Rewrites the supervisor's config and signals it (`serving.replica_adapters`)."""
+        return True if adapters is None else request_adapters(deployment.folder, adapters)
 
 
 class HostsExecutor(LocalExecutor):
@@ -267,6 +278,9 @@ class HostsExecutor(LocalExecutor):
     def replica_hosts(self, kind: str) -> list[Host] | None:
         ready = Host.objects.filter(status=Host.Status.READY).order_by("pk")
         return [host for host in ready if host.device_kind == kind]
+
+    def change_adapters(self, deployment: Deployment, adapters: dict[str, str] | None) -> bool:
+        return False  # a host's supervisor is signalled by nobody here yet
 
 
 class SlurmExecutor:
@@ -412,6 +426,9 @@ class SlurmExecutor:
 
     def replica_hosts(self, kind: str) -> list[Host] | None:
         return _supervising().replica_hosts(kind)
+
+    def change_adapters(self, deployment: Deployment, adapters: dict[str, str] | None) -> bool:
+        return _supervising().change_adapters(deployment, adapters)
 
 
 def _ordinal(n: int) -> str:
