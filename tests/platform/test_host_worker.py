@@ -143,6 +143,9 @@ def test_a_run_placed_on_a_host_worker_trains_there_is_cancelled_there_and_frees
         assert (listed["name"], listed["kind"], listed["free"], listed["status"]) == ("local", "cpu", 2, "ready")
         # It joined with the join token and keeps the secret it was given, for its owner's eyes only.
         kept = Path(settings.DATA_DIR) / "hosts" / "local" / "host_secret"
+        # The worker writes it once the join's answer arrives: a moment after the join is listed
+        # (seen under a loaded clean-clone run, 2026-12-07).
+        wait_until(kept.exists, 30, "the host to keep its secret")
         assert Host.objects.get().secret_sha256 == hashlib.sha256(kept.read_bytes()).hexdigest()
         assert kept.stat().st_mode & 0o777 == 0o600
         # Its CPU's flags, as this machine's /proc/cpuinfo lists them: placement reads them.
