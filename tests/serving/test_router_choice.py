@@ -267,3 +267,12 @@ def test_the_state_file_source_says_which_adapters_each_replica_serves(tmp_path:
     write_state(folder, DeploymentState(deployment="tiny", supervisor_pid=1, updated_at=0, stopping=False, replicas=replicas))
     endpoints = StateFileReplicas(tmp_path).endpoints()
     assert [(e.url, e.adapters) for e in endpoints] == [("http://127.0.0.1:1", {"tuned"}), ("http://127.0.0.1:2", set())]
+
+
+async def test_an_adapter_no_replica_serves_any_more_is_a_404_not_a_wait() -> None:
+    # The gateway saw it listed; by the time the router picks, the replicas have unloaded it.
+    a = ScriptedBackend("a")
+    router = Router(StaticReplicas(("a",)), model="tiny", backend_factory=lambda e: a)
+    answer = await router.forward("/v1/completions", {"model": "tuned", "prompt": "hi"})
+    assert answer.status == 404 and b"tuned" in (answer.body or b"")
+    await router.aclose()
