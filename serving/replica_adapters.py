@@ -13,7 +13,6 @@ list it.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from serving.deployment_config import DeploymentConfig
-from serving.state import DeploymentDir, read_state, write_atomic
+from serving.state import DeploymentDir, signal_supervisor, write_atomic
 from serving.vllm import OptionError, ReplicaOptions
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -67,14 +66,7 @@ def request_adapters(state_dir: str | Path, adapters: dict[str, str]) -> bool:
     config = DeploymentConfig.from_dict(json.loads(folder.config_file.read_text()))
     changed = DeploymentConfig.from_dict({**config.to_dict(), "adapters": adapters})  # checked
     write_atomic(folder.config_file, json.dumps(changed.to_dict(), indent=2))
-    state = read_state(state_dir)
-    if state is None:
-        return False
-    try:
-        os.kill(state.supervisor_pid, signal.SIGHUP)
-    except ProcessLookupError:
-        return False
-    return True
+    return signal_supervisor(state_dir, signal.SIGHUP)
 
 
 @dataclass(frozen=True)

@@ -246,3 +246,15 @@ def read_events(state_dir: str | Path, offset: int = 0) -> tuple[list[ReplicaEve
     complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
     events = [ReplicaEvent(**json.loads(line)) for line in complete.splitlines() if line.strip()]
     return events, offset + len(complete)
+
+
+def signal_supervisor(state_dir: str | Path, sig: int) -> bool:
+    """Sends `sig` to the supervisor whose state file is in `state_dir`. False if none runs."""
+    state = read_state(state_dir)
+    if state is None:
+        return False
+    try:
+        os.kill(state.supervisor_pid, sig)
+    except ProcessLookupError:
+        return False
+    return True

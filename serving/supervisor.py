@@ -59,7 +59,7 @@ from serving.state import (
     ReplicaEvent,
     ReplicaState,
     append_event,
-    read_state,
+    signal_supervisor,
     write_state,
 )
 from serving.vllm import LaunchSpec, replica_launch
@@ -490,14 +490,7 @@ def launch_detached(config: DeploymentConfig, python: str = sys.executable) -> i
 
 def request_stop(state_dir: str | Path) -> bool:
     """Ask a detached supervisor to drain and stop its replicas. False if none is running."""
-    state = read_state(state_dir)
-    if state is None:
-        return False
-    try:
-        os.kill(state.supervisor_pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    return True
+    return signal_supervisor(state_dir, signal.SIGTERM)
 
 
 async def _serve(config: DeploymentConfig, config_file: Path) -> None:
