@@ -437,10 +437,10 @@ class Router:
             return await self._whole(backend.key, weight, upstream)
         if last_failure:
             return error_response(upstream_failed(f"no replica could be reached (last: {last_failure})"))
-        if model is not None and model != self.model and model not in self.adapters():
+        if model is not None and model != self.model and model not in (served := self.adapters()):
             # An adapter detached since the gateway looked (the state file changed in between): as
             # any model not served, a 404, not a wait for a replica that will never have it.
-            return error_response(model_not_found(model, sorted({self.model, *self.adapters()})))
+            return error_response(model_not_found(model, sorted({self.model, *served})))
         return error_response(no_replica_available(model or self.model))
 
     def _stream(self, key: str, weight: int, upstream: UpstreamResponse, tap: UsageTap) -> RelayStream:
