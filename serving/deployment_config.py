@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from serving.routing import DEFAULT_POLICY, POLICIES
-from serving.state import DeploymentDir, write_atomic
+from serving.state import DeploymentDir, signal_supervisor, write_atomic
 from serving.vllm import OptionError, ReplicaOptions
 from training.ports import REPLICA_PORTS
 
@@ -159,6 +160,18 @@ class DeploymentConfig:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(self.to_dict(), indent=2))
         return path
+
+
+def request_change(state_dir: str | Path, **changes: Any) -> bool:
+    """Rewrites the config file of the deployment whose supervisor runs in `state_dir` with
+    `changes` (checked as a whole config is) and sends the supervisor SIGHUP, which brings its
+    running replicas to the config's `adapters` and `replicas` without restarting the others.
+    False when no supervisor runs there (its next start reads the file anyway)."""
+    folder = DeploymentDir(Path(state_dir))
+    config = DeploymentConfig.from_dict(json.loads(folder.config_file.read_text()))
+    changed = DeploymentConfig.from_dict({**config.to_dict(), **changes})
+    write_atomic(folder.config_file, json.dumps(changed.to_dict(), indent=2))
+    return signal_supervisor(state_dir, signal.SIGHUP)
 
 
 def _is_port(value: object) -> bool:

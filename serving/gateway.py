@@ -78,6 +78,11 @@ class Gateway:
             ],
         }
 
+    def serving(self, name: str) -> bool:
+        """True while some replica of the deployment `name` may take a request."""
+        deployment = self._deployments.get(name)
+        return deployment is not None and bool(deployment.router.routable())
+
     async def handle(self, path: str, raw_body: bytes) -> ProxyResponse:
         try:
             try:

@@ -3,7 +3,7 @@ through vLLM's runtime endpoints so that attaching one restarts nothing.
 
 A replica starts with its deployment's adapters (`--lora-modules`, `serving.vllm.replica_launch`).
 When the control plane changes them it rewrites the deployment's config file and sends the
-supervisor SIGHUP (`request_adapters`); the supervisor then brings each ready replica to the new
+supervisor SIGHUP (`request_adapters`, `serving.deployment_config.request_change`); the supervisor then brings each ready replica to the new
 set with `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM serves these when
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is set, which only replicas with `max_loras` get). The state
 file lists each replica's adapters, and routers send an adapter's requests only to replicas that
@@ -13,14 +13,12 @@ list it.
 from __future__ import annotations
 
 import json
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from serving.deployment_config import DeploymentConfig
-from serving.state import DeploymentDir, signal_supervisor, write_atomic
+from serving.deployment_config import request_change
 from serving.vllm import OptionError, ReplicaOptions
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -62,11 +60,7 @@ def request_adapters(state_dir: str | Path, adapters: dict[str, str]) -> bool:
     """Sets the adapters of the deployment whose supervisor runs in `state_dir` and asks it to
     bring its running replicas to them. False when no supervisor runs there (its next start reads
     the config file anyway)."""
-    folder = DeploymentDir(Path(state_dir))
-    config = DeploymentConfig.from_dict(json.loads(folder.config_file.read_text()))
-    changed = DeploymentConfig.from_dict({**config.to_dict(), "adapters": adapters})  # checked
-    write_atomic(folder.config_file, json.dumps(changed.to_dict(), indent=2))
-    return signal_supervisor(state_dir, signal.SIGHUP)
+    return request_change(state_dir, adapters=adapters)
 
 
 @dataclass(frozen=True)

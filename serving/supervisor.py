@@ -16,8 +16,10 @@ the deployment's folder (`serving.state`), which any process can read without ta
   stores run events.
 
 SIGTERM (see `request_stop`) drains every replica, stops it and exits. SIGHUP (see
-`serving.replica_adapters.request_adapters`) re-reads the config file's LoRA adapters and loads
-or unloads them on the running replicas, restarting none.
+`serving.deployment_config.request_change`) re-reads the config file's LoRA adapters and replica
+count: it loads or unloads adapters on the running replicas, starts the replicas added and
+drains and stops the last ones when the count went down (an autoscaler's decision), restarting
+none of the others.
 
 A checkpoint on object storage (an export URL) is downloaded into this host's cache, checked,
 before any replica starts (`serving.export_store`); replicas serve that local copy.
@@ -96,6 +98,8 @@ class Supervisor:
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        # Replicas being drained and stopped by `set_replicas`, by index: their lives end for good.
+        self._retiring: set[int] = set()
         self._changed = asyncio.Event()
         self._client: httpx.AsyncClient | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -154,6 +158,33 @@ class Supervisor:
         if self._client:
             await self._client.aclose()
 
+    async def set_replicas(self, count: int, cpu_binds: tuple[str, ...] = ()) -> None:
+        """Run `count` replicas from now on: start the ones added (on `cpu_binds`, the config's
+        for the new count), or drain and stop the last ones and forget them."""
+        self.config = dataclasses.replace(self.config, replicas=count, cpu_binds=cpu_binds or self.config.cpu_binds)
+        if self._stopping or self._client is None:
+            return
+        kept = [r for r in self._replicas if r.index not in self._retiring]
+        for index in range(len(kept), count):
+            replica = ReplicaState(index=self.config.first_replica + index)
+            self._replicas.append(replica)
+            self._adapter_locks[replica.index] = asyncio.Lock()
+            self._tasks.append(asyncio.create_task(self._keep_running(replica)))
+        retiring = kept[count:]
+        self._retiring |= {r.index for r in retiring}
+        self._write_state()
+        await asyncio.gather(*(self._stop_replica(r) for r in retiring))
+        for replica in retiring:
+            self._replicas.remove(replica)
+            self._retiring.discard(replica.index)
+        if retiring:
+            self._write_state()
+            self._changed.set()
+
+    def _ending(self, replica: ReplicaState) -> bool:
+        """True once the replica is to stop for good: the supervisor stops, or it was scaled away."""
+        return self._stopping or replica.index in self._retiring
+
     async def set_adapters(self, adapters: dict[str, str]) -> None:
         """Serve these adapters from now on: ready replicas load and unload theirs now, starting
         ones when they are ready, later ones from the start."""
@@ -180,7 +211,7 @@ class Supervisor:
         failures_in_a_row = 0
         # How each start in a row ended: (why it was killed, else its exit status; its error line).
         failed_starts: list[tuple[str | int, str]] = []
-        while not self._stopping:
+        while not self._ending(replica):
             life = await self._one_life(replica)
             if life is None:  # the supervisor is stopping
                 return
@@ -218,7 +249,7 @@ class Supervisor:
         log_start = log_path.stat().st_size if log_path.exists() else 0
         try:
             proc, launch = await self._spawn(replica, port)
-            if self._stopping:  # stop() ran while the process was being created
+            if self._ending(replica):  # stop() ran while the process was being created
                 await self._terminate(proc, grace_s=self.config.stop_grace_s)
                 return None
             message, became_ready, stayed_ready = "", False, False
@@ -232,16 +263,16 @@ class Supervisor:
                     self._set_phase(replica, "ready", event="replica_ready", ready_at=time.time())
                     message = await self._watch(replica, proc, launch)
                     stayed_ready = bool(replica.ready_at and time.time() - replica.ready_at >= self.config.backoff_reset_s)
-                elif proc.returncode is None and not self._stopping:
+                elif proc.returncode is None and not self._ending(replica):
                     message = f"answered /health but generated no token within {self.config.liveness_timeout_s:g} s; killed. "
                     await self._terminate(proc, grace_s=0)
-            elif proc.returncode is None and not self._stopping:
+            elif proc.returncode is None and not self._ending(replica):
                 message = f"not healthy after {self.config.ready_timeout_s} s; killed. "
                 await self._terminate(proc, grace_s=0)
             # While stopping, stop() terminates the process; this only waits for it.
             code = await proc.wait()
             _kill_group(proc.pid, signal.SIGKILL)  # orphans of a replica killed from outside
-            if self._stopping:
+            if self._ending(replica):
                 return None
             return Life(
                 code=code, message=f"{message}exit code {code}", killed_because=message, became_ready=became_ready,
@@ -311,7 +342,7 @@ class Supervisor:
     async def _wait_healthy(self, replica: ReplicaState, proc: asyncio.subprocess.Process, launch: LaunchSpec) -> bool:
         """True once /health answers 200; False if the process exits or `ready_timeout_s` passes."""
         deadline = time.monotonic() + self.config.ready_timeout_s
-        while proc.returncode is None and not self._stopping and time.monotonic() < deadline:
+        while proc.returncode is None and not self._ending(replica) and time.monotonic() < deadline:
             if await self._probe(launch.url):
                 return True
             with contextlib.suppress(TimeoutError):
@@ -339,10 +370,10 @@ class Supervisor:
         liveness: asyncio.Task[bool] | None = None
         generates = True  # the last liveness answer holds until the next one
         try:
-            while proc.returncode is None and not self._stopping:
+            while proc.returncode is None and not self._ending(replica):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), self.config.health_interval_s)
-                if proc.returncode is not None or self._stopping:
+                if proc.returncode is not None or self._ending(replica):
                     break
                 if liveness is None and time.monotonic() - last_liveness >= self.config.liveness_interval_s:
                     liveness = asyncio.create_task(self._generates(launch.url))
@@ -371,7 +402,7 @@ class Supervisor:
         finally:
             if liveness is not None:
                 liveness.cancel()
-        if self._stopping:
+        if self._ending(replica):
             # stop() owns the process from here; wait for it so _keep_running returns cleanly.
             await proc.wait()
         return ""
@@ -501,17 +532,20 @@ async def _serve(config: DeploymentConfig, config_file: Path) -> None:
         loop.add_signal_handler(sig, stop.set)
     changes: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
 
-    def adapters_changed() -> None:
+    def config_changed() -> None:
         try:
-            adapters = DeploymentConfig.from_dict(json.loads(config_file.read_text())).adapters
+            changed = DeploymentConfig.from_dict(json.loads(config_file.read_text()))
         except (OSError, ValueError, FieldError) as exc:
             print(f"fathom: SIGHUP, but {config_file} could not be read: {exc}", flush=True)
             return
-        change = loop.create_task(supervisor.set_adapters(adapters))
-        changes.add(change)
-        change.add_done_callback(changes.discard)
+        for change in (
+            supervisor.set_adapters(changed.adapters), supervisor.set_replicas(changed.replicas, changed.cpu_binds),
+        ):  # fmt: skip
+            task = loop.create_task(change)
+            changes.add(task)
+            task.add_done_callback(changes.discard)
 
-    loop.add_signal_handler(signal.SIGHUP, adapters_changed)
+    loop.add_signal_handler(signal.SIGHUP, config_changed)
     await supervisor.start()
     if config.owner_pid is not None:
         await _until_stopped_or_orphaned(stop, config.owner_pid, config.health_interval_s)

@@ -30,6 +30,9 @@ SPARKLINE_POINTS = 60
 SPARKLINE_RUNS = 100
 # Deliveries shown per webhook on its settings page; the API lists more.
 WEBHOOK_DELIVERIES_SHOWN = 10
+# The autoscaler's decisions and what followed them, newest first, on a deployment's page.
+SCALING_EVENTS = ("scaled", "scale_blocked", "asleep", "waking", "autoscaling")
+SCALING_DECISIONS_SHOWN = 10
 
 
 @login_required
@@ -124,9 +127,15 @@ def deployment_page(request: HttpRequest, deployment_id: int) -> HttpResponse:
     )
     page = {"id": deployment.pk, "status": deployment.status, "model": deployment.served_model_name}
     adapters = list(deployment.adapters.select_related("checkpoint__run"))
-    return render(
-        request, "dashboard/deployment.html", {"deployment": deployment, "deployment_page": page, "adapters": adapters}
+    decisions = list(
+        deployment.events.filter(kind__in=SCALING_EVENTS).order_by("-seq")[:SCALING_DECISIONS_SHOWN]
     )
+    return render(
+        request, "dashboard/deployment.html", {
+            "deployment": deployment, "deployment_page": page, "adapters": adapters,
+            "autoscaling": deployment.autoscaling_policy, "decisions": decisions,
+        },
+    )  # fmt: skip
 
 
 @login_required

@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db import models
 
 from controlplane.events import Event
+from deployments.autoscaling import Autoscaling
 from runs.models import Checkpoint, PretrainedModel, QuantizedExport
 from serving.routing import DEFAULT_POLICY, POLICIES
 
@@ -24,8 +25,10 @@ class Deployment(models.Model):
         STOPPING = "stopping"
         STOPPED = "stopped"
         FAILED = "failed"
+        # Scaled to zero (autoscaling's min_replicas 0): no replica runs; the next request wakes it.
+        ASLEEP = "asleep"
 
-    ACTIVE = (Status.PENDING, Status.STARTING, Status.READY, Status.DEGRADED)
+    ACTIVE = (Status.PENDING, Status.STARTING, Status.READY, Status.DEGRADED, Status.ASLEEP)
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="deployments")
     name = models.CharField(max_length=200)
@@ -47,7 +50,12 @@ class Deployment(models.Model):
         QuantizedExport, on_delete=models.PROTECT, null=True, blank=True, related_name="deployments"
     )
     served_model_name = models.CharField(max_length=200, unique=True)
+    # How many replicas it runs now: as created, or as its autoscaler last set it (0: asleep).
     replicas = models.PositiveIntegerField(default=1)
+    # deployments.autoscaling.Autoscaling as a dict; null: `replicas` stays as it is.
+    autoscaling = models.JSONField(null=True, blank=True)
+    # The autoscaler's deployments.autoscaling.ScalerState between syncs.
+    scaler = models.JSONField(default=dict, blank=True)
     # How /v1 chooses a replica (serving.routing): by prompt prefix (vLLM's prefix cache then
     # holds a shared system prompt on one replica), least loaded, or round robin.
     routing = models.CharField(max_length=20, choices=[(p, p) for p in POLICIES], default=DEFAULT_POLICY)
@@ -81,6 +89,10 @@ class Deployment(models.Model):
     def quantization(self) -> str:
         """The API's `quantization`: the scheme of the export it serves, or none."""
         return self.quantized_export.scheme if self.quantized_export else "none"
+
+    @property
+    def autoscaling_policy(self) -> Autoscaling | None:
+        return Autoscaling.from_dict(self.autoscaling) if self.autoscaling is not None else None
 
     @property
     def folder(self) -> Path:

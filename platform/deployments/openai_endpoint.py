@@ -31,6 +31,7 @@ from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.views.decorators.http import require_POST
 
 from controlplane.observability import V1_USAGE
+from deployments import scaling, services
 from deployments.models import ApiKey, Deployment
 from deployments.ratelimit import Limiter, limiter_for_settings
 from deployments.usage import USAGE
@@ -62,6 +63,9 @@ class Served:
     max_model_len: int
     folder: Path
     routing: str
+    # Scaled to zero when idle (autoscaling's min_replicas 0): how long a request that finds no
+    # replica is held while one starts. None: such a request is answered at once.
+    wake_timeout_s: float | None = None
 
     @classmethod
     def of(cls, deployment: Deployment) -> Served:
@@ -73,6 +77,7 @@ class Served:
             source = str(merged_folder(deployment.checkpoint))  # type: ignore[arg-type]
         else:
             source = deployment.checkpoint.export_path  # type: ignore[union-attr]
+        policy = deployment.autoscaling_policy
         return cls(
             pk=deployment.pk,
             model=deployment.served_model_name,
@@ -81,6 +86,7 @@ class Served:
             max_model_len=int(deployment.options.get("max_model_len", 1024)),
             folder=deployment.folder,
             routing=deployment.routing,
+            wake_timeout_s=policy.wake_timeout_s if policy is not None and policy.min_replicas == 0 else None,
         )
 
 
@@ -239,6 +245,13 @@ def _log_failed_refresh(refresh: asyncio.Future[None]) -> None:
 
 
 KEYS = KeyCache()
+
+
+def _forget_changed_key(sender: Any, key_id: int, **kwargs: Any) -> None:
+    KEYS.forget(key_id)  # revoked or changed here: this process stops trusting its entry at once
+
+
+services.api_key_changed.connect(_forget_changed_key)
 # Limits are kept where the settings keep the cache: Redis when configured, else this process.
 LIMITER: Limiter = limiter_for_settings()
 
@@ -358,7 +371,45 @@ async def _answer(scope: Scope, receive: Receive) -> tuple[ProxyResponse | dict[
         return error_response(
             OpenAIError(503, f"The deployment {served.model!r} is {served.status}.", "server_error")
         ), checked
+    if served.wake_timeout_s is not None and not gateway.serving(served.model):
+        refused = await _hold_until_served(served, gateway, served.wake_timeout_s)
+        if refused is not None:
+            return refused, checked
     return await gateway.handle(path, body), checked
+
+
+# How often a held request looks for a ready replica (the state file, re-read when it changes)
+# and asks for the deployment to be woken (one conditional update: a no-op once it is).
+HOLD_POLL_S = 0.25
+WAKE_EVERY_S = 1.0
+
+
+async def _hold_until_served(served: Served, gateway: Gateway, timeout_s: float) -> ProxyResponse | None:
+    """Holds a request to a deployment scaled to zero (or on its way there) until a replica is
+    ready, waking it; None once one is, else, after `timeout_s`, a 503 with Retry-After that the
+    official clients wait out before they retry."""
+    deadline = time.monotonic() + timeout_s
+    next_wake = 0.0
+    while time.monotonic() < deadline:
+        if gateway.serving(served.model):
+            return None
+        if time.monotonic() >= next_wake:
+            await _wake(served.pk)
+            next_wake = time.monotonic() + WAKE_EVERY_S
+        await asyncio.sleep(HOLD_POLL_S)
+    response = error_response(
+        OpenAIError(
+            503, f"The deployment {served.model!r} was asleep and no replica was ready within {timeout_s:g} s; "
+            "it is starting: try again shortly.", "server_error", None, "model_waking",
+        )
+    )  # fmt: skip
+    response.headers["retry-after"] = str(max(1, math.ceil(timeout_s / 10)))
+    return response
+
+
+@database_sync_to_async
+def _wake(deployment_id: int) -> bool:
+    return scaling.wake(deployment_id)
 
 
 async def openai_endpoint(scope: Scope, receive: Receive, send: Send) -> None:

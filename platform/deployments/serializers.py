@@ -28,6 +28,24 @@ class OptionsField(serializers.JSONField):
         return value
 
 
+AUTOSCALING_HELP = (
+    "Let the replica count follow the load (null: it stays at `replicas`): {min_replicas, max_replicas, "
+    "target_waiting (mean requests waiting per replica above which one is added, default 1), window_s (how "
+    "long, default 30), cooldown_s (how long the load must fit on one replica fewer before one is removed, "
+    "default 300), idle_s (with min_replicas 0: how long without a request before it sleeps, default 600), "
+    "wake_timeout_s (how long a request to a sleeping deployment is held, default 300)}."
+)
+
+
+@extend_schema_field({"type": "object", "nullable": True, "additionalProperties": True})
+class AutoscalingField(serializers.JSONField):
+    """The policy's fields and bounds are checked by deployments.autoscaling, naming the field."""
+
+
+class AutoscalingSerializer(serializers.Serializer):
+    autoscaling = AutoscalingField(allow_null=True, help_text=AUTOSCALING_HELP)
+
+
 class ReplicaSerializer(ModelSerializer):
     class Meta:
         model = Replica
@@ -78,7 +96,11 @@ class DeploymentSerializer(ModelSerializer):
         help_text="For a LoRA run's checkpoint: serve its adapters merged into its base as one model (else attach "
         "it to a deployment of its base).",
     )
-    replicas = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS, default=1)
+    replicas = serializers.IntegerField(
+        min_value=1, max_value=MAX_REPLICAS, default=1,
+        help_text="How many replicas it starts with; with autoscaling, how many it runs now (0: asleep).",
+    )  # fmt: skip
+    autoscaling = AutoscalingField(required=False, allow_null=True, default=None, help_text=AUTOSCALING_HELP)
     options = OptionsField(default=dict, help_text="vLLM options (see serving.vllm).")
     replica_set = ReplicaSerializer(many=True, read_only=True)
     quantization = serializers.ChoiceField(
@@ -99,6 +121,7 @@ class DeploymentSerializer(ModelSerializer):
             "merged",
             "served_model_name",
             "replicas",
+            "autoscaling",
             "routing",
             "options",
             "quantization",

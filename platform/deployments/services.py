@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from django.db import transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
 from controlplane.events import publish_on_commit, reserve_seqs
 from controlplane.exceptions import InvalidInput, WrongState
 from controlplane.queue import enqueue_on_commit
+from deployments.autoscaling import Autoscaling
 from deployments.models import Adapter, ApiKey, Deployment, DeploymentEvent
 from deployments.options import resolve_options
 from launch import executors
@@ -110,18 +112,21 @@ def do_create_deployment(
     pretrained: PretrainedModel | None = None,
     merged: bool = False,
     routing: str = DEFAULT_POLICY,
+    autoscaling: dict[str, Any] | None = None,
 ) -> Deployment:
     """Creates the deployment and queues its start. With `quantization` int8 or int4 it serves
     the checkpoint's quantized export: made first (queued here) when there is none yet, the
     deployment staying pending until `quantized_export_finished` starts it. With `pretrained`
     instead of a checkpoint it serves that model's folder as it is; `merged` serves a LoRA run's
-    checkpoint merged into its base."""
+    checkpoint merged into its base. `autoscaling` (deployments.autoscaling) lets its replica
+    count follow its load from `replicas`."""
+    autoscaling = checked_autoscaling(autoscaling, replicas)
     if pretrained is not None:
         if merged:
             raise InvalidInput("merged", "merges a LoRA run's checkpoint into its base; a pretrained model is whole")
         return _create_pretrained_deployment(
             owner, pretrained, name=name, served_model_name=served_model_name, replicas=replicas, options=options,
-            quantization=quantization, routing=routing,
+            quantization=quantization, routing=routing, autoscaling=autoscaling,
         )  # fmt: skip
     assert checkpoint is not None
     check_checkpoint(checkpoint)
@@ -151,6 +156,7 @@ def do_create_deployment(
             served_model_name=served,
             replicas=replicas,
             routing=routing,
+            autoscaling=autoscaling,
             options=resolved,
         )
         created = {"replicas": replicas, "checkpoint": checkpoint.pk, "quantization": quantization}
@@ -167,7 +173,7 @@ def do_create_deployment(
 
 def _create_pretrained_deployment(
     owner: Any, pretrained: PretrainedModel, *, name: str, served_model_name: str, replicas: int,
-    options: dict[str, Any], quantization: str, routing: str,
+    options: dict[str, Any], quantization: str, routing: str, autoscaling: dict[str, Any] | None,
 ) -> Deployment:  # fmt: skip
     if quantization != "none":
         raise InvalidInput(
@@ -178,10 +184,35 @@ def _create_pretrained_deployment(
     with transaction.atomic():
         deployment = Deployment.objects.create(
             owner=owner, name=name or served, pretrained=pretrained, served_model_name=served, replicas=replicas,
-            options=resolved, routing=routing,
+            options=resolved, routing=routing, autoscaling=autoscaling,
         )  # fmt: skip
         do_record(deployment, "created", {"replicas": replicas, "pretrained": pretrained.pk, "quantization": "none"})
         enqueue_on_commit("deployments.tasks.start_deployment", deployment.pk)
+    return deployment
+
+
+def checked_autoscaling(autoscaling: dict[str, Any] | None, replicas: int) -> dict[str, Any] | None:
+    """The policy as stored, every field filled in; None keeps the count fixed."""
+    if autoscaling is None:
+        return None
+    policy = Autoscaling.from_dict(autoscaling)
+    policy.check_replicas(replicas)
+    return policy.to_dict()
+
+
+def do_set_autoscaling(deployment: Deployment, autoscaling: dict[str, Any] | None) -> Deployment:
+    """Replaces an active deployment's autoscaling policy (None: its count stays where it is now).
+    A count outside the new bounds moves to the nearest one at the next sync."""
+    if deployment.status not in Deployment.ACTIVE:
+        raise WrongState("status", f"autoscaling is set on active deployments; this one is {deployment.status}")
+    stored = None
+    if autoscaling is not None:
+        policy = Autoscaling.from_dict(autoscaling)
+        stored = policy.to_dict()
+    with transaction.atomic():
+        Deployment.objects.filter(pk=deployment.pk).update(autoscaling=stored, scaler={})
+        do_record(deployment, "autoscaling", {"autoscaling": stored})
+    deployment.refresh_from_db()
     return deployment
 
 
@@ -307,10 +338,13 @@ def do_revoke_key(key: ApiKey) -> ApiKey:
     return key
 
 
-def _forget_cached_key(key_id: int) -> None:
-    from deployments.openai_endpoint import KEYS
+# Sent with `key_id` once a change to that key commits: the OpenAI endpoint's key cache, which
+# imports this module (not the other way round), drops its entry.
+api_key_changed = Signal()
 
-    transaction.on_commit(lambda: KEYS.forget(key_id))
+
+def _forget_cached_key(key_id: int) -> None:
+    transaction.on_commit(lambda: api_key_changed.send(sender=ApiKey, key_id=key_id))
 
 
 def do_record(deployment: Deployment, kind: str, data: dict[str, Any]) -> DeploymentEvent:

@@ -136,6 +136,14 @@ def start(deployment: Deployment) -> int | None:
     return started.pid
 
 
+def resize(deployment: Deployment) -> bool:
+    """Has the executor bring the running deployment's supervisors to `deployment.replicas`
+    (its autoscaler moved it): see `Executor.change_replicas`."""
+    export_path = functools.cache(functools.partial(_export_path, deployment))
+    request = _request(deployment, export_path, list(range(deployment.replicas)), adapter_exports(deployment))
+    return executors.for_deployment(deployment).change_replicas(deployment, request)
+
+
 def lose_hosts(deployment: Deployment) -> bool:
     """The deployment's replicas on lost hosts went with them: their devices go back (a lost host
     that returns gets nothing new while what still runs there of them is stopped,
@@ -230,8 +238,9 @@ def stop(deployment: Deployment, timeout: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def sync(deployment: Deployment) -> None:
-    """Mirrors replica state, moves the status, stores new replica events, scrapes metrics.
+def sync(deployment: Deployment) -> dict[str, Any] | None:
+    """Mirrors replica state, moves the status, stores new replica events, scrapes metrics;
+    returns the metrics scraped (None when no replica was ready to scrape).
 
     Rows change before the events that announce them are stored, in one transaction: events are
     published after it commits, so a page that reads the deployment on an event sees the state
@@ -257,9 +266,16 @@ def sync(deployment: Deployment) -> None:
         if events:
             Deployment.objects.filter(pk=deployment.pk).update(event_offsets=offsets)
         if state is not None and not state.stopping:
+            # A replica its autoscaler added and that is still on its first start, or one it
+            # removed that is draining, degrades nothing: the others serve as they did.
+            changing = all(
+                r.phase in ("ready", "draining", "stopped") or (r.phase == "starting" and r.restarts == 0)
+                for r in replicas
+            )
             new_status = (
                 Deployment.Status.READY if len(ready) == deployment.replicas
-                else Deployment.Status.DEGRADED if ready and deployment.status != Deployment.Status.STARTING
+                else Deployment.Status.DEGRADED
+                if ready and deployment.status != Deployment.Status.STARTING and not changing
                 else None
             )
             serving = [Deployment.Status.STARTING, Deployment.Status.READY, Deployment.Status.DEGRADED]
@@ -271,9 +287,12 @@ def sync(deployment: Deployment) -> None:
     for event in events:
         if event.kind == "replica_failed":
             fail_on_replica(deployment, event.replica, event.message)
-            return
-    if ready:
-        services.do_record(deployment, "metrics", scrape(deployment.folder, [r.url for r in ready if r.url]))
+            return None
+    if not ready:
+        return None
+    metrics = scrape(deployment.folder, [r.url for r in ready if r.url])
+    services.do_record(deployment, "metrics", metrics)
+    return metrics
 
 
 def _current(deployment: Deployment, replicas: list[Any]) -> list[Any]:

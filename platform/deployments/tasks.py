@@ -8,7 +8,7 @@ from celery import shared_task
 from django.db import transaction
 
 from controlplane.processes import is_alive
-from deployments import quality, services, supervision
+from deployments import quality, scaling, services, supervision
 from deployments.models import Deployment
 from hosts import scheduling
 from hosts.models import Host
@@ -171,5 +171,14 @@ def sync_deployments() -> int:
     """Collects replica events, state and metrics of every live deployment; returns how many."""
     live = Deployment.objects.filter(status__in=[*SUPERVISED, Deployment.Status.STOPPING])
     for deployment in live:
-        supervision.sync(deployment)
+        metrics = supervision.sync(deployment)
+        if metrics is not None:
+            scaling.autoscale(deployment, metrics)
     return len(live)
+
+
+@shared_task
+def sleep_deployment(deployment_id: int) -> str:
+    """Stops the replicas of a deployment its autoscaler scaled to zero; a request wakes it."""
+    asleep = scaling.sleep(Deployment.objects.get(pk=deployment_id))
+    return "asleep" if asleep else "woken or moved meanwhile"

@@ -18,6 +18,7 @@ from deployments.models import Adapter, ApiKey, Deployment
 from deployments.serializers import (
     AdapterSerializer,
     ApiKeySerializer,
+    AutoscalingSerializer,
     DeploymentEventSerializer,
     DeploymentSerializer,
     NewApiKeySerializer,
@@ -45,7 +46,7 @@ class DeploymentViewSet(
     Another user's deployment answers 404."""
 
     serializer_class = DeploymentSerializer
-    conflict_actions = ("stop",)  # a deployment already stopped or failed answers 409
+    conflict_actions = ("stop", "autoscaling")  # a deployment already stopped or failed answers 409
 
     def get_queryset(self) -> QuerySet[Deployment]:
         return owned(self, Deployment.objects.prefetch_related("replica_set", "adapters"))
@@ -58,6 +59,7 @@ class DeploymentViewSet(
             pretrained=data.get("pretrained"),
             merged=data["merged"],
             routing=data["routing"],
+            autoscaling=data.get("autoscaling"),
             name=data.get("name", ""),
             served_model_name=data.get("served_model_name", ""),
             replicas=data["replicas"],
@@ -69,6 +71,15 @@ class DeploymentViewSet(
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str) -> Response:
         deployment = services.do_stop_deployment(self.get_object())
+        return Response(DeploymentSerializer(deployment, context={"request": request}).data)
+
+    @extend_schema(request=AutoscalingSerializer, responses=DeploymentSerializer)
+    @action(detail=True, methods=["put"])
+    def autoscaling(self, request: Request, pk: str) -> Response:
+        """Replace the deployment's autoscaling policy (null: keep the replicas it runs now)."""
+        body = AutoscalingSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        deployment = services.do_set_autoscaling(self.get_object(), body.validated_data["autoscaling"])
         return Response(DeploymentSerializer(deployment, context={"request": request}).data)
 
     @extend_schema(

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import TextField
+from django.db.models import F, Q, TextField
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 from django.utils import timezone
@@ -60,14 +60,17 @@ def orphans_on(host: Host, held: set[tuple[int, int]] | None = None) -> list[str
 
 
 def release_ended_claims(hosts: list[Host]) -> None:
-    """Gives back the devices of ended runs (`capacity.release`) and of stopped and failed
-    deployments once nothing of them can hold them: their host is lost, or its last beat lists
+    """Gives back the devices of ended runs (`capacity.release`), of stopped and failed
+    deployments and of replicas scaled away once nothing of them can hold them: their host is lost, or its last beat lists
     no agent or supervisor of theirs. Until then a device stays claimed, so no new work is
     placed where an old rank or replica may still run."""
     release()
     by_id = {h.pk: h for h in hosts}
     running = {h.pk: supervisors_on(h) for h in hosts}
-    ended = DeviceClaim.objects.filter(deployment__status__in=["stopped", "failed"])
+    # A deployment's replicas past its count were scaled away (all of them, asleep).
+    ended = DeviceClaim.objects.filter(
+        Q(deployment__status__in=["stopped", "failed"]) | Q(deployment__isnull=False, node__gte=F("deployment__replicas"))
+    )
     gone = [
         pk for pk, host_id, deployment_id in ended.values_list("pk", "host_id", "deployment_id")
         if host_id not in by_id or by_id[host_id].status == Host.Status.LOST or deployment_id not in running[host_id]

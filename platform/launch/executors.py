@@ -23,6 +23,7 @@ here imports runs.services, which calls the executors (a cancel).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from launch import run_agents, slurm, slurm_options, supervisors
 from launch.slurm_options import SlurmOptions
 from launch.supervisors import Started, SupervisorRequest
 from runs.models import Run
+from serving.deployment_config import request_change
 from serving.replica_adapters import request_adapters
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,13 @@ class Executor(Protocol):
         cannot (supervisors on hosts, for now), or none runs."""
         ...
 
+    def change_replicas(self, deployment: Deployment, request: SupervisorRequest) -> bool:
+        """Has the running deployment run `request.replicas` (0 … n-1, n ≥ 1) from now on: the
+        replicas added start, placed as the first ones were; the last ones removed drain and
+        stop, the others run on. False where it cannot now (a removal that would stop part of a
+        host's supervisor). Raises supervisors.NotPlaced when the added ones have no room."""
+        ...
+
 
 class LocalExecutor:
     """Agents and supervisors as detached processes of this machine (agents under their per-node
@@ -205,6 +214,11 @@ class LocalExecutor:
     def change_adapters(self, deployment: Deployment, adapters: dict[str, str] | None) -> bool:
         """Rewrites the supervisor's config and signals it (`serving.replica_adapters`)."""
         return True if adapters is None else request_adapters(deployment.folder, adapters)
+
+    def change_replicas(self, deployment: Deployment, request: SupervisorRequest) -> bool:
+        """Rewrites the supervisor's config (its count and cores) and signals it."""
+        config = request.configure(None)
+        return request_change(deployment.folder, replicas=config.replicas, cpu_binds=list(config.cpu_binds))
 
 
 class HostsExecutor(LocalExecutor):
@@ -281,6 +295,24 @@ class HostsExecutor(LocalExecutor):
 
     def change_adapters(self, deployment: Deployment, adapters: dict[str, str] | None) -> bool:
         return False  # a host's supervisor is signalled by nobody here yet
+
+    def change_replicas(self, deployment: Deployment, request: SupervisorRequest) -> bool:
+        """Each host runs one supervisor of a deployment, for a block of its replicas: the added
+        ones are placed as a new block, where none of its replicas runs; a removal stops the
+        supervisors of hosts that hold only removed replicas, whose devices go back once their
+        beats list it no more (`scheduling.release_ended_claims`)."""
+        held = supervisors.replicas_on_hosts(deployment)
+        if not held:
+            return super().change_replicas(deployment, request)  # started here before any host registered
+        wanted = set(request.replicas)
+        removed = held - wanted
+        stopping = [h for h in supervisors.placed_hosts(deployment) if supervisors.replicas_on_hosts(deployment, h) <= removed]
+        if removed and set().union(*(supervisors.replicas_on_hosts(deployment, h) for h in stopping)) != removed:
+            return False
+        if added := sorted(wanted - held):
+            self.start_supervisors(dataclasses.replace(request, replicas=added))
+        supervisors.stop_on_hosts(deployment, stopping)
+        return True
 
 
 class SlurmExecutor:
@@ -429,6 +461,9 @@ class SlurmExecutor:
 
     def change_adapters(self, deployment: Deployment, adapters: dict[str, str] | None) -> bool:
         return _supervising().change_adapters(deployment, adapters)
+
+    def change_replicas(self, deployment: Deployment, request: SupervisorRequest) -> bool:
+        return _supervising().change_replicas(deployment, request)
 
 
 def _ordinal(n: int) -> str:

@@ -63,9 +63,10 @@ def placed_hosts(deployment: Deployment) -> list[Host]:
     return list(Host.objects.filter(claims__deployment=deployment).distinct().order_by("pk"))
 
 
-def replicas_on_hosts(deployment: Deployment) -> set[int]:
-    """The replicas that hold their devices on a host."""
-    return set(DeviceClaim.objects.filter(deployment=deployment).values_list("node", flat=True))
+def replicas_on_hosts(deployment: Deployment, host: Host | None = None) -> set[int]:
+    """The replicas that hold their devices on a host (on `host`, given one)."""
+    claims = DeviceClaim.objects.filter(deployment=deployment)
+    return set((claims.filter(host=host) if host is not None else claims).values_list("node", flat=True))
 
 
 def start_here(request: SupervisorRequest) -> Started:

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import subprocess
+import time
 from datetime import timedelta
 from typing import IO
 
@@ -19,14 +20,16 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from controlplane.bulk import insert_rows
+from deployments import scaling
 from deployments import services as deployment_services
+from deployments.autoscaling import Autoscaling, Decision
 from deployments.models import Deployment, Replica
 from deployments.options import host_refusal
 from deployments.tasks import reconcile_deployments
 from hosts import services as host_services
 from hosts.models import DeviceClaim, Host, Quota
 from hosts.replica_placement import place_deployment
-from hosts.scheduling import orphans_on
+from hosts.scheduling import orphans_on, release_ended_claims
 from hosts.tasks import schedule_and_start, watch_hosts
 from launch import run_agents
 from runs import services
@@ -560,3 +563,55 @@ def test_the_database_refuses_a_device_given_twice(django_user_model):
     assert list(DeviceClaim.objects.values_list("device", "run")) == [(0, runs[0].pk)]
     insert_rows(DeviceClaim, fields, [(host.pk, 1, runs[1].pk, 0, now)])
     assert DeviceClaim.objects.get(device=1).run == runs[1]
+
+
+def test_an_autoscaled_deployment_on_hosts_gets_its_added_replica_placed_where_none_runs_and_a_removed_ones_host_stopped(
+    alice, two_hosts, tmp_path, django_capture_on_commit_callbacks
+):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
+    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere", export_path=str(export))
+    policy = Autoscaling(min_replicas=1, max_replicas=2, target_waiting=1, window_s=0.01, cooldown_s=0.01)
+    deployment = Deployment.objects.create(
+        owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=1, status="ready",
+        autoscaling=policy.to_dict(),
+    )  # fmt: skip
+    Replica.objects.create(deployment=deployment, index=0, status="ready")
+    assert [(g.host.name, g.replicas) for g in place_deployment(deployment.pk, 1, "cpu")] == [("a", [0])]
+    purge_host_queues()
+
+    def scrapes(metrics: dict) -> Decision | None:
+        """Two scrapes of the same load, the window apart: the second decides."""
+        assert scaling.autoscale(deployment, metrics) is None
+        time.sleep(0.02)
+        with django_capture_on_commit_callbacks(execute=True):
+            return scaling.autoscale(deployment, metrics)
+
+    added = scrapes({"replicas_scraped": 1, "running": 8, "waiting": 5})
+    assert added is not None and added.replicas == 2
+    assert sorted(DeviceClaim.objects.filter(deployment=deployment).values_list("host__name", "node")) == [("a", 0), ("b", 1)]
+    assert host_tasks("host.a") == []  # a's supervisor runs on as it was
+    (started,) = [kwargs for task, kwargs in host_tasks("host.b") if task == "hostworker.tasks.start_process"]
+    config = json.loads(started["files"]["deployment.json"])
+    assert (started["key"], config["first_replica"], config["replicas"]) == (f"deployment-{deployment.pk}", 1, 1)
+    scaled = deployment.events.get(kind="scaled").data
+    assert scaled == {"from": 1, "to": 2, "reason": "5 requests waiting per replica, over the target of 1, for 0 s"}
+    assert sorted(Replica.objects.filter(deployment=deployment).values_list("index", flat=True)) == [0, 1]
+
+    # Quiet: the replica on b goes, its host's supervisor is stopped, and b's slot comes back
+    # once b's beats no longer list that supervisor.
+    Host.objects.filter(name="b").update(running=[{"key": f"deployment-{deployment.pk}", "pid": 7}])
+    removed = scrapes({"replicas_scraped": 2, "running": 0, "waiting": 0})
+    assert removed is not None and removed.replicas == 1
+    assert ("hostworker.tasks.stop_process", {"key": f"deployment-{deployment.pk}"}) in host_tasks("host.b")
+    assert host_tasks("host.a") == []
+    with transaction.atomic():
+        release_ended_claims(list(Host.objects.select_for_update().order_by("pk")))
+    assert DeviceClaim.objects.filter(deployment=deployment, host__name="b").exists()
+    Host.objects.filter(name="b").update(running=[])
+    with transaction.atomic():
+        release_ended_claims(list(Host.objects.select_for_update().order_by("pk")))
+    assert list(DeviceClaim.objects.filter(deployment=deployment).values_list("host__name", "node")) == [("a", 0)]
+    assert list(Replica.objects.filter(deployment=deployment).values_list("index", flat=True)) == [0]

@@ -26,6 +26,7 @@ import torch
 import transformers
 
 from deployments.models import ApiKey, Deployment
+from deployments.openai_endpoint import KEY_CACHE_S
 from deployments.usage import FLUSH_S
 from runs.models import Checkpoint, PretrainedModel, Run
 from tests.platform.conftest import WebServer
@@ -38,7 +39,7 @@ from tests.platform.test_prometheus_metrics import (  # noqa: F401 (web is a fix
     wait_for,
     web,
 )
-from tests.serving.conftest import CHECKPOINT_CACHE, lora_checkpoint_on
+from tests.serving.conftest import CHECKPOINT_CACHE, lora_checkpoint_on, process_alive
 from tools.tiny_checkpoint import build_tiny_llama
 from training.export import export
 
@@ -156,6 +157,7 @@ def test_v1_on_a_real_replica_passes_vllms_fields_counts_each_keys_use_and_meter
         assert value(after, "fathom_deployments", status="ready") >= 1
 
         _serves_an_attached_adapter_as_the_merged_model(client, web, deployment_id, key, base, tmp_path)
+        _sleeps_when_idle_and_a_request_wakes_it(client, web, deployment_id, key)
     finally:
         client.post(f"/api/deployments/{deployment_id}/stop/")
         wait_for(lambda: Deployment.objects.get(pk=deployment_id).status == "stopped", 180, "the stop")
@@ -210,6 +212,44 @@ def _serves_an_attached_adapter_as_the_merged_model(
         return False
 
     wait_for(gone, 60, "the detached adapter to answer 404")
+
+
+def _sleeps_when_idle_and_a_request_wakes_it(client: httpx.Client, server: WebServer, deployment_id: int, key: str) -> None:
+    """Scaled to zero: idle, it stops its replica and is asleep; a request then wakes it and is
+    held, answered 503 with Retry-After past the wake timeout, and answered once a replica is ready."""
+    url = f"/api/deployments/{deployment_id}/autoscaling/"
+    policy = {"min_replicas": 0, "max_replicas": 1, "idle_s": 4, "wake_timeout_s": 1}
+    assert client.put(url, json={"autoscaling": policy}).status_code == 200
+    supervisor = Deployment.objects.get(pk=deployment_id).supervisor_pid
+    asleep = wait_for(
+        lambda: (d := client.get(f"/api/deployments/{deployment_id}/").json())["status"] == "asleep" and d,
+        120, "the idle deployment to sleep",
+    )  # fmt: skip
+    assert asleep["replicas"] == 0 and [r["status"] for r in asleep["replica_set"]] == ["stopped"]
+    deployment = Deployment.objects.get(pk=deployment_id)
+    scaled = deployment.events.filter(kind="scaled").last()
+    assert scaled is not None and (scaled.data["from"], scaled.data["to"]) == (1, 0)
+    assert scaled.data["reason"].startswith("no request for ")
+    assert deployment.events.filter(kind="asleep").exists()
+    wait_for(lambda: not process_alive(supervisor), 60, "its supervisor to exit")
+
+    v1 = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300)
+    # Held for the wake timeout (1 s; a replica takes longer to start), then told when to retry.
+    with pytest.raises(openai.InternalServerError) as refused:
+        v1.completions.create(model=MODEL, prompt="the cat sees", max_tokens=4, temperature=0)
+    assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
+    assert refused.value.code == "model_waking"
+    assert Deployment.objects.get(pk=deployment_id).events.filter(kind="waking").count() == 1
+
+    # A longer wake timeout: held until the replica it started is ready, then answered.
+    policy = {**policy, "idle_s": 600, "wake_timeout_s": 240}
+    assert client.put(url, json={"autoscaling": policy}).status_code == 200
+    time.sleep(KEY_CACHE_S + 1)  # the web process reads the policy again with the key
+    answer = v1.completions.create(model=MODEL, prompt="the cat sees", max_tokens=4, temperature=0)
+    assert answer.choices[0].text and answer.usage.completion_tokens == 4
+    awake = Deployment.objects.get(pk=deployment_id)
+    assert awake.replicas == 1 and awake.events.filter(kind="waking").count() == 1
+    wait_for(lambda: Deployment.objects.get(pk=deployment_id).status == "ready", 60, "the woken deployment ready")
 
 
 def _passes_vllms_request_fields_and_counts_the_keys_use(server: WebServer, deployment: Deployment) -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 
+from serving.deployment_config import request_change
 from serving.replica_metrics import histogram_quantile, parse_prometheus, poll, rates_between, scrape
 from serving.router import Timeouts
 from serving.state import read_events, read_state
@@ -380,9 +381,59 @@ async def test_killing_a_replica_under_load_fails_only_its_streams_and_it_comes_
         assert not process_alive(victim.pid)
 
 
+async def test_a_lower_count_drains_and_stops_the_last_replica_and_a_higher_one_starts_it_again_leaving_the_other_be(
+    deployment: RunningDeployment,
+) -> None:
+    """What an autoscaler's decision does to a running supervisor (`request_change`, SIGHUP)."""
+    state = read_state(deployment.state_dir)
+    assert state is not None and [r.phase for r in state.replicas] == ["ready", "ready"]
+    kept, last = state.replicas
+    events_before = len(events_of(deployment))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as client:
+        # A stream on the replica to be removed, straight to it: the removal waits it out.
+        live: dict = {}
+        in_flight = asyncio.create_task(stream_completion(client, last.url, live, max_tokens=300))
+        async with asyncio.timeout(120):
+            while not live.get("chunks"):
+                assert not in_flight.done(), f"the stream ended before its first token: {in_flight.result()}"
+                await asyncio.sleep(0.01)
+        assert request_change(deployment.state_dir, replicas=1)
+        result = await asyncio.wait_for(in_flight, 240)
+        assert result["error"] is None and result["finish_reason"] == "length" and result["tokens"] == 300
+
+        def one_left() -> bool:
+            now = read_state(deployment.state_dir)
+            return now is not None and [(r.index, r.phase) for r in now.replicas] == [(0, "ready")]
+
+        await asyncio.to_thread(wait_until, one_left, 120, "the last replica to be stopped")
+        assert not process_alive(last.pid)
+        scaled_down = [(e.kind, e.replica) for e in events_of(deployment)[events_before:]]
+        assert scaled_down == [("replica_stopped", 1)], scaled_down
+        answered = await stream_completion(client, deployment.router_url, max_tokens=8)
+        assert answered["status"] == 200 and answered["replica"] == kept.url
+
+        assert request_change(deployment.state_dir, replicas=2)
+
+        def two_ready() -> bool:
+            now = read_state(deployment.state_dir)
+            return now is not None and [(r.index, r.phase) for r in now.replicas] == [(0, "ready"), (1, "ready")]
+
+        await asyncio.to_thread(wait_until, two_ready, 240, "the replica added to be ready")
+        again = read_state(deployment.state_dir)
+        assert again is not None
+        assert (again.replicas[0].pid, again.replicas[0].restarts) == (kept.pid, kept.restarts)
+        assert again.replicas[1].pid != last.pid and process_alive(again.replicas[1].pid)
+        spread = await asyncio.wait_for(
+            asyncio.gather(*(stream_completion(client, deployment.router_url, max_tokens=32) for _ in range(8))), 240
+        )
+        assert all(r["status"] == 200 and r["error"] is None for r in spread)
+        assert len({r["replica"] for r in spread}) == 2
+
+
 async def test_stopping_drains_in_flight_requests_then_stops_every_replica(deployment: RunningDeployment) -> None:
     state = read_state(deployment.state_dir)
     assert state is not None
+    events_before = len(events_of(deployment))
     replica_pids = [r.pid for r in state.replicas if r.pid]
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as client:
         live: dict = {}
@@ -400,5 +451,5 @@ async def test_stopping_drains_in_flight_requests_then_stops_every_replica(deplo
     assert not any(process_alive(pid) for pid in replica_pids)
     final = read_state(deployment.state_dir)
     assert final is not None and {r.phase for r in final.replicas} == {"stopped"}
-    stopped = [e.replica for e in events_of(deployment) if e.kind == "replica_stopped"]
+    stopped = [e.replica for e in events_of(deployment)[events_before:] if e.kind == "replica_stopped"]
     assert sorted(stopped) == [0, 1]
