@@ -94,6 +94,13 @@ class ReplicaMetrics:
     generation_tokens_total: float
     ttft_p50_s: float | None  # over the replica's lifetime; see rates_between for a window
     ttft_count: float
+    # Prompt tokens whose KV blocks its prefix cache held, of those it looked up, since it started.
+    prefix_cache_hits_total: float = 0.0
+    prefix_cache_queries_total: float = 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits_total / self.prefix_cache_queries_total if self.prefix_cache_queries_total else None
 
     def to_dict(self) -> dict[str, float | None]:
         return {
@@ -117,6 +124,8 @@ def replica_metrics(text: str, scraped_at: float | None = None) -> ReplicaMetric
         generation_tokens_total=_sum(samples, "vllm:generation_tokens_total"),
         ttft_p50_s=histogram_quantile(samples, "vllm:time_to_first_token_seconds", 0.5),
         ttft_count=_sum(samples, "vllm:time_to_first_token_seconds_count"),
+        prefix_cache_hits_total=_sum(samples, "vllm:prefix_cache_hits_total"),
+        prefix_cache_queries_total=_sum(samples, "vllm:prefix_cache_queries_total"),
     )
 
 

@@ -360,7 +360,8 @@ def mark_stopped(deployment: Deployment) -> None:
 
 def scrape(folder: Path, urls: list[str]) -> dict[str, Any]:
     """The deployment's serving metrics now: summed over the ready replicas (KV-cache use and
-    time to first token averaged), tokens/s from the counters' change since the last scrape."""
+    time to first token averaged), tokens/s from the counters' change since the last scrape, and
+    each replica's prefix-cache hit rate since it started, by its url (the page's replica cards)."""
     import asyncio
 
     async def collect() -> list[Any]:
@@ -375,6 +376,7 @@ def scrape(folder: Path, urls: list[str]) -> dict[str, Any]:
     current: dict[str, list[float]] = {}
     totals: dict[str, float] = {"running": 0.0, "waiting": 0.0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0}
     ttfts: list[float] = []
+    hit_rates: dict[str, float | None] = {}
     samples = [(url, r) for url, r in zip(urls, asyncio.run(collect()), strict=True) if isinstance(r, replica_metrics.ReplicaMetrics)]
     for url, sample in samples:
         totals["running"] += sample.requests_running
@@ -388,5 +390,9 @@ def scrape(folder: Path, urls: list[str]) -> dict[str, Any]:
             totals["tokens_per_s"] += made / (now - before_time)
         if sample.ttft_p50_s is not None:
             ttfts.append(sample.ttft_p50_s)
+        hit_rates[url] = sample.prefix_cache_hit_rate
     previous_file.write_text(json.dumps(current))
-    return {**totals, "ttft_p50": sum(ttfts) / len(ttfts) if ttfts else None, "replicas_scraped": len(samples)}
+    return {
+        **totals, "ttft_p50": sum(ttfts) / len(ttfts) if ttfts else None, "replicas_scraped": len(samples),
+        "prefix_cache_hit_rate": hit_rates,
+    }  # fmt: skip

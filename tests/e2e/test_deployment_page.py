@@ -3,6 +3,8 @@ token, through Fathom's chat endpoint and a real vLLM replica."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from playwright.sync_api import Page, expect
@@ -85,6 +87,9 @@ def test_a_checkpoint_deployed_from_the_run_page_streams_its_answer_in_the_playg
             f"() => Number(document.getElementById('chart-dtps').dataset.points) >= {held + 3}",
             timeout=ANSWER_TIMEOUT_MS,
         )
+        # Each replica's card shows its prefix-cache hit rate from vLLM's own counters, which
+        # the chat (and the supervisor's one-token probes) fed.
+        expect(replica.locator(".cache-hits")).to_have_text(re.compile(r"^prefix cache hits \d+ %$"))
         screenshot(page, "deployment-playground.png")
 
         page.once("dialog", lambda dialog: dialog.accept())

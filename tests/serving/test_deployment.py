@@ -276,6 +276,10 @@ async def test_requests_sharing_a_prompt_prefix_reach_one_replica_whose_prefix_c
         after = {url: hits(parse_prometheus((await client.get(f"{url}/metrics")).text)) for url in deployment.ready_urls()}
         # vLLM's own counter: the home replica's cache served the shared blocks of the later five.
         assert after[home] - before[home] >= 5 * 128, (before, after)
+        # The hit rate the sync reads off the same counters for the page: blocks of the home
+        # replica's prompts came from its cache.
+        home_rate = (await scrape(client, home)).prefix_cache_hit_rate
+        assert home_rate is not None and 0 < home_rate < 1
         # Sent together, they spill to the other replica once the home one is loaded past the bound.
         together = await asyncio.gather(*(
             stream_completion(client, deployment.router_url, prompt=f"{system}Another question {i}?", max_tokens=64)

@@ -22,6 +22,8 @@ let statusSeq = 0; // the seq of the last event that set `status`
 let createdAt = null;
 let replicaCount = 0;
 const replicas = new Map(); // index → {index, status, url, restarts, updated_at}
+// Each ready replica's prefix-cache hit rate since it started, by its url (the sync's scrape).
+const cacheHitRate = new Map();
 const lostWith = new Map(); // index → the host a replica was lost with, until it is placed again
 // A supervisor event → the replica state it leaves behind (as the control plane mirrors it).
 const REPLICA_STATE = {
@@ -70,6 +72,9 @@ function renderReplicas() {
           ? h("div", { class: "rank-failures" }, `lost with host ${lostWith.get(r.index)}; waiting for a host with room`)
           : h("div", { class: "muted path" }, r.status === "stopped" ? "" : r.url || "no address yet"),
         h("div", {}, `${r.restarts ?? 0} restart${r.restarts === 1 ? "" : "s"}`),
+        r.url && cacheHitRate.get(r.url) != null
+          ? h("div", { class: "cache-hits" }, `prefix cache hits ${Math.round(100 * cacheHitRate.get(r.url))} %`)
+          : null,
         r.updated_at ? h("div", { class: "muted" }, `${r.status} since `, h("time", { datetime: r.updated_at, dataset: { ago: "" } }, ago(r.updated_at))) : null,
       ),
     ),
@@ -81,10 +86,10 @@ function applyEvent(e) {
   if (e.kind === "status" && e.status && e.seq > statusSeq) {
     statusSeq = e.seq;
     showStatus(e.status);
-  } else if ((e.kind === "stopping" || e.kind === "stopped" || e.kind === "failed") && e.seq > statusSeq) {
+  } else if (["stopping", "stopped", "failed", "asleep"].includes(e.kind) && e.seq > statusSeq) {
     statusSeq = e.seq;
     showStatus(e.kind);
-    if (e.kind === "stopped") for (const r of replicas.values()) Object.assign(r, { status: "stopped", updated_at: new Date(e.time * 1000).toISOString() });
+    if (e.kind === "stopped" || e.kind === "asleep") for (const r of replicas.values()) Object.assign(r, { status: "stopped", updated_at: new Date(e.time * 1000).toISOString() });
     return true;
   }
   if (e.kind === "host_lost") {
@@ -163,6 +168,10 @@ function onMetrics(e) {
     ttft: first(e, "ttft_p50", "ttft_p50_s"),
   };
   latestByReplica.set(e.replica ?? "all", sample);
+  if (e.prefix_cache_hit_rate) {
+    for (const [url, rate] of Object.entries(e.prefix_cache_hit_rate)) cacheHitRate.set(url, rate);
+    renderReplicas();
+  }
   const all = [...latestByReplica.values()];
   const sum = (key) => (all.some((s) => s[key] != null) ? all.reduce((t, s) => t + (s[key] ?? 0), 0) : null);
   const known = (key) => all.map((s) => s[key]).filter((v) => v != null);
@@ -201,6 +210,12 @@ function describe(e) {
       return (e.hosts ?? [])
         .map((p) => `${e.again ? "Replica placed again" : "Placed"}: ${p.replicas.length === 1 ? "replica" : "replicas"} ${p.replicas.join(", ")} on ${p.host}`)
         .join("; ") || "Placed";
+    case "scaled":
+      return `Autoscaler: ${e.from} → ${e.to} replica${e.to === 1 ? "" : "s"}: ${e.reason}`;
+    case "asleep":
+      return "Asleep: no replica runs; the next request wakes it";
+    case "waking":
+      return `Waking on ${e.replicas} replica${e.replicas === 1 ? "" : "s"}: ${e.reason}`;
     case "status":
       return `Status: ${e.status}${e.replicas ? ` (${e.ready ?? 0} of ${e.replicas} replicas ready)` : ""}`;
     default:
