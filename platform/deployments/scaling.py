@@ -64,7 +64,8 @@ def autoscale(deployment: Deployment, metrics: dict[str, Any]) -> Decision | Non
         _undo(row, before, f"no host has room for another replica: {exc}")
         return None
     if not changed:
-        _undo(row, before, "its supervisors could not be changed now (a replica to remove shares its host's supervisor)")
+        _undo(row, before, "no supervisor could take the change now: none runs, or a replica to remove shares its "
+              "host's supervisor with one to keep")
         return None
     if decision.replicas < before:  # the page lists the replicas it runs; events keep the rest
         Replica.objects.filter(deployment=row, index__gte=decision.replicas).delete()

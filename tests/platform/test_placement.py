@@ -387,14 +387,20 @@ def test_a_host_running_a_supervisor_no_claim_covers_gets_nothing_new_and_is_tol
     assert schedule_and_start() == [waiting]
 
 
-def test_losing_one_host_of_a_deployment_degrades_it_and_its_replica_is_placed_again_where_there_is_room(
-    alice, two_hosts, tmp_path, django_capture_on_commit_callbacks
-):
+def exported_checkpoint(owner, tmp_path) -> Checkpoint:
+    """A finished run's checkpoint with an export folder (its config.json is all a supervisor's
+    config needs read here)."""
     export = tmp_path / "export"
     export.mkdir()
     (export / "config.json").write_text("{}")
-    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
-    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere", export_path=str(export))
+    run = Run.objects.create(owner=owner, name="done", spec={}, status="succeeded")
+    return Checkpoint.objects.create(run=run, step=1, path="/nowhere", export_path=str(export))
+
+
+def test_losing_one_host_of_a_deployment_degrades_it_and_its_replica_is_placed_again_where_there_is_room(
+    alice, two_hosts, tmp_path, django_capture_on_commit_callbacks
+):
+    checkpoint = exported_checkpoint(alice, tmp_path)
     deployment = Deployment.objects.create(
         owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=2, status="ready"
     )
@@ -568,11 +574,7 @@ def test_the_database_refuses_a_device_given_twice(django_user_model):
 def test_an_autoscaled_deployment_on_hosts_gets_its_added_replica_placed_where_none_runs_and_a_removed_ones_host_stopped(
     alice, two_hosts, tmp_path, django_capture_on_commit_callbacks
 ):
-    export = tmp_path / "export"
-    export.mkdir()
-    (export / "config.json").write_text("{}")
-    run = Run.objects.create(owner=alice, name="done", spec={}, status="succeeded")
-    checkpoint = Checkpoint.objects.create(run=run, step=1, path="/nowhere", export_path=str(export))
+    checkpoint = exported_checkpoint(alice, tmp_path)
     policy = Autoscaling(min_replicas=1, max_replicas=2, target_waiting=1, window_s=0.01, cooldown_s=0.01)
     deployment = Deployment.objects.create(
         owner=alice, name="d", checkpoint=checkpoint, served_model_name="d", replicas=1, status="ready",
