@@ -24,8 +24,10 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16"]
 FaultKind = Literal[
-    "kill_rank", "crash_rank", "hang_rank", "kill_during_checkpoint", "slow_checkpoint", "slow_steps", "kill_agent"
-]
+    "kill_rank", "crash_rank", "hang_rank", "kill_during_checkpoint", "slow_checkpoint", "slow_steps", "kill_agent",
+    "nonfinite_grad",
+]  # fmt: skip
+NonFinite = Literal["skip", "off"]
 
 
 class SpecError(FieldError):
@@ -489,6 +491,23 @@ class ResourcesConfig:
 
 
 @dataclass(kw_only=True)
+class GuardConfig:
+    """What every rank does, alike, about a step whose loss or global gradient norm is not finite
+    (NaN or inf: a corrupt batch, an overflow) (training/trainer.py): "skip" leaves the weights
+    and the optimizer's state as they were, moves on to the next batch and records the step;
+    "off" trains through it, as before the guard existed."""
+
+    nonfinite: NonFinite = "skip"
+    # Non-finite steps in a row after which the run fails, naming them: a model that diverged,
+    # which skipping batches does not cure.
+    max_nonfinite_in_a_row: int = 5
+
+    def __post_init__(self) -> None:
+        _choice("guard", "nonfinite", self.nonfinite, get_args(NonFinite))
+        _positive("guard", self, "max_nonfinite_in_a_row")
+
+
+@dataclass(kw_only=True)
 class FaultSpec:
     """A failure injected on purpose, for tests and demos."""
 
@@ -513,6 +532,7 @@ class RunSpec:
     nodes: NodesConfig = field(default_factory=NodesConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     faults: list[FaultSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -647,6 +667,8 @@ class RunSpec:
         values = dataclasses.asdict(self)
         if not self.lora.enabled:
             del values["lora"]  # a full fine-tune's spec reads as it did before LoRA existed
+        if self.guard == GuardConfig():
+            del values["guard"]  # and one with the default guard as it did before the guard
         return values
 
     def to_json(self) -> str:
@@ -665,6 +687,7 @@ class RunSpec:
             "nodes": NodesConfig,
             "resources": ResourcesConfig,
             "lora": LoraConfig,
+            "guard": GuardConfig,
         }
         unknown = set(data) - set(sections) - {"faults"}
         if unknown:

@@ -11,6 +11,7 @@ Each `FaultSpec` fires inside a rank, from the training hooks, at a chosen step:
 | `slow_checkpoint`        | global rank `rank`                   | the commit of step `step`   | waits 5 s there: a save still being written (e.g. when a cancel arrives) |
 | `slow_steps`             | global rank `rank`                   | start of every step ≥ `step` | waits 0.2 s: a slower host, so a run outlasts a time limit however fast this one is |
 | `kill_agent`             | local rank 0 on node `node`          | start of step `step`        | SIGKILL its node agent   |
+| `nonfinite_grad`         | global rank `rank`                   | step `step`, after backward | sets one of its gradients to NaN: a corrupt batch or an overflow, for the guard (`guard.nonfinite`) |
 
 `once` faults fire at most once per run, not once per process: a resumed run replays the steps
 after its checkpoint and would otherwise meet the same fault again, forever. Before firing, the
@@ -34,6 +35,8 @@ from training.config import FaultSpec
 from training.run_dir import RunDir
 
 CHECKPOINT_FAULTS = ("kill_during_checkpoint", "slow_checkpoint")
+# Faults fired where the step's gradients are whole, not at its start.
+GRADIENT_FAULTS = ("nonfinite_grad",)
 SLOW_CHECKPOINT_SECONDS = 5.0
 SLOW_STEP_SECONDS = 0.2
 
@@ -57,11 +60,20 @@ class FaultHook:
             if fault.kind == "slow_steps":
                 if step >= fault.step:
                     time.sleep(SLOW_STEP_SECONDS)  # every step, on every attempt: the host is slow
-            elif fault.kind not in CHECKPOINT_FAULTS and fault.step == step and self._claim(fault):
+            elif fault.kind not in (*CHECKPOINT_FAULTS, *GRADIENT_FAULTS) and fault.step == step and self._claim(fault):
                 _fire(fault)
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         pass
+
+    def after_backward(self, step: int, params: list[Any]) -> None:
+        for fault in self._mine:
+            if fault.kind in GRADIENT_FAULTS and fault.step == step and self._claim(fault):
+                print(f"fathom: injecting fault {fault.kind} at step {fault.step}", flush=True)
+                grad = next(p.grad for p in params if p.grad is not None)
+                # A DTensor's (TP, FSDP) local shard: NaN on this rank's part only, as a bad
+                # kernel or batch would make it.
+                (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("nan"))
 
     def before_checkpoint_commit(self, step: int, staging_dir: Path | str) -> None:
         for fault in self._mine:

@@ -75,6 +75,9 @@ class HeartbeatHook:
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         self._step, self._phase = step, "between_steps"
 
+    def after_backward(self, step: int, params: list[Any]) -> None:
+        pass
+
     def before_checkpoint_commit(self, step: int, staging_dir: Path | str) -> None:
         self._phase = "checkpoint"
 

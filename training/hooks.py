@@ -1,7 +1,8 @@
 """Points where the node agent's machinery plugs into the training loop without editing it.
 
 The trainer calls every hook at fixed points of each step; hooks never change what is
-computed, so a run with hooks produces the same losses as one without. The heartbeat
+computed, so a run with hooks produces the same losses as one without (an injected fault, by
+design, aside: `nonfinite_grad` spoils a gradient). The heartbeat
 (watchdog) and fault injection are hooks; `build_hooks` reads what the agent asked for
 from the environment it set for the rank.
 """
@@ -20,6 +21,9 @@ class TrainHook(Protocol):
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         """Called after the optimizer step; `metrics` is rank 0's metrics row (empty on other ranks)."""
+
+    def after_backward(self, step: int, params: list[Any]) -> None:
+        """Called once the gradients of step `step` are whole (synced), before they are measured."""
 
     def before_checkpoint_commit(self, step: int, staging_dir: Path | str) -> None:
         """Called after every shard of a checkpoint is written and before it is committed."""

@@ -28,12 +28,23 @@ STOP_REQUEST_FILE = "FATHOM_STOP_REQUEST_FILE"
 DOWNLOAD_CACHE = "FATHOM_DOWNLOAD_CACHE"
 
 # Failures that no restart can cure: the same input fails the same way on every attempt.
-ErrorClass = Literal["data", "spec", "tokenizer"]
+# "training": the run diverged (its loss or gradients stayed non-finite, training/guard.py).
+ErrorClass = Literal["data", "spec", "tokenizer", "training"]
 # A rank's exit status after it wrote such an error to its error file (sysexits' EX_CONFIG).
 NON_RETRYABLE_EXIT = 78
 # A rank's exit status after it checkpointed and stopped because its stop request asked it to
 # (sysexits' EX_TEMPFAIL: the run is unfinished and goes on in the scheduler's next job).
 SAVED_AND_STOPPED_EXIT = 75
+
+
+class NonRetryable(Exception):
+    """An error that every restart would meet again (bad data, a spec this rank refuses, a broken
+    tokenizer, a diverged run): the rank reports it and the agent fails the run at once instead
+    of retrying."""
+
+    def __init__(self, error_class: ErrorClass, message: str) -> None:
+        super().__init__(message)
+        self.error_class = error_class
 
 
 @dataclass(kw_only=True, frozen=True)

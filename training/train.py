@@ -34,7 +34,7 @@ from training.rank_environment import (
     EVENTS_FILE,
     NON_RETRYABLE_EXIT,
     SAVED_AND_STOPPED_EXIT,
-    ErrorClass,
+    NonRetryable,
     RankEnvironment,
     RankError,
 )
@@ -48,15 +48,6 @@ from training.trainer import Trainer
 # loaded CPU host (a checkpoint written by every rank, the first pipeline step's shape exchange).
 # The node agent's heartbeat watchdog catches hangs sooner; this is the backstop inside the ranks.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-
-
-class NonRetryable(Exception):
-    """An error that every restart would meet again (bad data, a spec this rank refuses, a broken
-    tokenizer): the rank reports it and the agent fails the run at once instead of retrying."""
-
-    def __init__(self, error_class: ErrorClass, message: str) -> None:
-        super().__init__(message)
-        self.error_class = error_class
 
 
 # What reading a corpus raises when the file itself is wrong: missing, unreadable, not a

@@ -4,6 +4,11 @@
 `train_step` is the same for every layout: learning rate, batch, accumulation passes, gradient
 reduction, clipping by the global norm, optimizer step, metrics. `fit` resumes from the newest
 committed checkpoint (if any), runs the remaining steps and saves on schedule.
+
+The guard (`spec.guard`): a step whose loss or global gradient norm is not finite on any rank is
+skipped on every rank alike. Each rank's verdict rides the loss's all-reduce (no collective of
+its own), so the ranks cannot disagree; the skipped step's batch still counts as read, so a
+resume replays the same data.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from training.metrics import mfu, step_line
 from training.model import IGNORE_INDEX, cross_entropy_loss, token_loss_sum
 from training.parallel import ParallelModel, clip_grad_norm_, parallelize
 from training.parallel.dims import ParallelDims, batch_shape
-from training.rank_environment import RankEnvironment
+from training.rank_environment import NonRetryable, RankEnvironment
 from training.rank_events import EventLog
 from training.run_dir import RunDir
 
@@ -61,6 +66,10 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     # fused: one kernel over all parameters. torch's default on CPU is a Python loop over them,
     # three times slower here (87 → 28 ms a step on `small`, ~1% of its step; more on smaller models).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def say(line: str) -> None:
@@ -176,6 +185,8 @@ class Trainer:
         rank_env = RankEnvironment.from_environ()
         self.stop_request = rank_env.stop_request_file if rank_env is not None else None
         self.stop_agreed = False  # at the last step's end some rank had found the stop request
+        self.nonfinite_skipped = 0  # steps this process skipped (spec.guard)
+        self._nonfinite_in_a_row = 0
         self.stopped_at: int | None = None  # the step `fit` checkpointed and stopped at, when asked to
 
     # --- One step -----------------------------------------------------------------------------
@@ -305,32 +316,46 @@ class Trainer:
             loss += self.forward_backward(inputs[chunk], targets[chunk], last_pass=i == self.spec.train.grad_accum - 1)
         if self.model.grad_sync is not None:
             self.model.grad_sync.finish()
+        for hook in self.hooks:
+            hook.after_backward(step, self.params)
         asked = self.stop_request is not None and self.stop_request.exists()
         # Every collective of the step comes before its optimizer step, so a rank whose collective
         # fails (a peer died) still holds the previous step's state whole (`_snapshot_at_failure`).
+        grad_norm = clip_grad_norm_(self.params, self.spec.train.grad_clip, self.pp_group)
+        guarding = self.spec.guard.nonfinite == "skip"
+        # 1 where this rank's loss or gradient norm is NaN or infinite; kept on the device.
+        spoiled = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).to(loss.dtype) if guarding else None
         if self.distributed:
             # Rank 0 may not hold the loss (pipeline) and each dp rank holds only its share: sum
             # every last-stage, first-tp rank's mean / dp over the world.
             holds_loss = self.model.has_last_stage and self.reports_loss
             share = loss / self.dims.dp if holds_loss else torch.zeros((), device=self.device.torch_device)
-            if self.stop_request is None:
+            if self.stop_request is None and spoiled is None:
                 dist.all_reduce(share)
                 loss = share
             else:
-                # The stop request rides on the loss's all-reduce: every rank learns in the same
-                # step whether any rank found it (only one need see the file: the batch script's
-                # node sees it at once, a shared file system's other clients maybe later).
-                both = torch.stack([share, torch.full_like(share, float(asked))])
-                dist.all_reduce(both)
-                loss, asked = both[0], bool(both[1].item() > 0)
+                # The stop request and the guard's verdict ride on the loss's all-reduce: every
+                # rank learns in the same step whether any rank found the request (only one need
+                # see the file: the batch script's node sees it at once, a shared file system's
+                # other clients maybe later) or a non-finite value.
+                riders = torch.stack([
+                    share, torch.full_like(share, float(asked)), spoiled if spoiled is not None else torch.zeros_like(share),
+                ])  # fmt: skip
+                dist.all_reduce(riders)
+                loss, asked, spoiled = riders[0], bool(riders[1].item() > 0), riders[2] if guarding else None
         self.stop_agreed = asked
-        grad_norm = clip_grad_norm_(self.params, self.spec.train.grad_clip, self.pp_group)
+        skipped = spoiled is not None and bool(spoiled.item() > 0)
         self.checkpointer.wait_for_staging()  # a background save may still be copying the weights
         self._held = None
         for opt in self.optimizers:
-            opt.step()
+            if not skipped:
+                opt.step()
             opt.zero_grad(set_to_none=True)
         self._held = (step, self.sampler.state_dict())
+        if skipped:
+            self._skipped(step, loss, grad_norm)
+        else:
+            self._nonfinite_in_a_row = 0
         end = time.perf_counter()
         step_time = end - start
         # Throughput as a user gets it: wall time since the previous step ended, so a checkpoint
@@ -345,17 +370,40 @@ class Trainer:
                 "loss": loss.item(),
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
+                **({"skipped": True} if skipped else {}),
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu(tokens_per_s, self.spec.model, self.peak_flops * self.world_size),
                 "step_time": step_time,
                 "memory_mb": self._peak_memory_mb(end),
             }
             if self.events is not None:
-                self.events.emit("metrics", **metrics)
+                # JSON has no NaN: a skipped step's loss or norm is reported as null.
+                self.events.emit("metrics", **{k: _finite_or_none(v) for k, v in metrics.items()})
             say(step_line(metrics, self.spec.train.steps))
         for hook in self.hooks:
             hook.on_step_end(step, metrics)
         return metrics
+
+    def _skipped(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Counts a step the guard skipped, reports it (rank 0), and fails the run once too many
+        came in a row: a diverged model, which skipping more batches would not cure."""
+        self.nonfinite_skipped += 1
+        self._nonfinite_in_a_row += 1
+        what = f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}"
+        if self.rank == 0:
+            say(f"step {step}: {what}; its optimizer step was skipped on every rank")
+            if self.events is not None:
+                self.events.emit(
+                    "step_skipped", step=step, reason=f"{what}: not finite", skipped=self.nonfinite_skipped,
+                    in_a_row=self._nonfinite_in_a_row,
+                )  # fmt: skip
+        limit = self.spec.guard.max_nonfinite_in_a_row
+        if self._nonfinite_in_a_row >= limit:
+            raise NonRetryable(
+                "training",
+                f"the loss or gradient norm was not finite at {limit} steps in a row (the last, step {step}: {what}); "
+                "the model diverged: lower train.lr or raise train.warmup_steps, or resume from an earlier checkpoint",
+            )
 
     def _peak_memory_mb(self, now: float) -> float:
         """The rank's peak memory, read at most once a second: reading it costs ~80 µs on CPU

@@ -39,6 +39,7 @@ from controlplane.queue import enqueue_on_commit
 # Re-exported: runs.services and deployments.services fan out from them through this module.
 from notifications.events import DEPLOYMENT_EVENTS as DEPLOYMENT_EVENTS
 from notifications.events import EVENTS
+from notifications.events import GUARD_EVENTS as GUARD_EVENTS
 from notifications.events import RUN_EVENTS as RUN_EVENTS
 from notifications.models import Delivery, Webhook
 
@@ -122,6 +123,8 @@ def _describe(subject: dict[str, Any]) -> dict[str, Any]:
         }
         if run.status == Run.Status.FAILED:
             described["log"] = _failing_rank_log(run)
+        if "detail" in subject:  # the event that caused it, as the run reported it (a skipped step)
+            described["detail"] = subject["detail"]
         return described
     deployment = Deployment.objects.get(pk=subject["deployment"])
     return {

@@ -27,7 +27,7 @@ from hosts import capacity, quotas
 from hosts.models import Host
 from launch import executors
 from launch.slurm_options import SlurmOptions
-from notifications.services import RUN_EVENTS, notify_on_commit
+from notifications.services import GUARD_EVENTS, RUN_EVENTS, notify_on_commit
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run, RunEvent
 from runs.specs import check_run_data, check_run_storage, run_storage
 from training.checkpoint_storage import is_committed_at
@@ -395,6 +395,10 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
             changes["last_seq"] = first + len(stored) - 1
             observability.count_ingested(len(stored))  # counted once the batch commits
             status = _changes_from_events(run, stored, row["status"], changes)
+            for event in stored:
+                if event.kind in GUARD_EVENTS:
+                    detail = {"kind": event.kind, **event.data}
+                    notify_on_commit(run.owner_id, GUARD_EVENTS[event.kind], {"run": run.pk, "detail": detail})
         if status == Run.Status.FAILED and row["cancel_requested"]:
             # Each agent is stopped by a signal of its own: one that is not stopped yet when
             # another closes the rendezvous reports a failed rendezvous. The run was cancelled.

@@ -34,6 +34,8 @@ BAD_SPECS = [
     ({"layout": {"pp": 8, "schedule": "gpipe"}, "model": {"n_layers": 4}}, ["spec", "layout", "pp"], "need at least that many layers"),
     ({"layout": {"zero": 3}}, ["spec", "layout", "zero"], "shards over dp, which is 1"),
     ({"faults": [{"kind": "meteor"}]}, ["spec", "faults", "0", "kind"], "kill_rank"),
+    ({"guard": {"nonfinite": "sometimes"}}, ["spec", "guard", "nonfinite"], "must be one of skip, off; got 'sometimes'"),
+    ({"guard": {"max_nonfinite_in_a_row": 0}}, ["spec", "guard", "max_nonfinite_in_a_row"], "positive integer"),
 ]
 
 
@@ -69,6 +71,8 @@ def test_a_valid_run_is_queued_with_the_recipe_filled_in(alice_api):
     assert run["layout"] == "2×1×1"
     assert run["total_steps"] == 7
     assert run["spec"]["model"]["dim"] == 128  # from the tiny recipe
+    # The default guard is left out of the spec, which reads as it did before the guard existed.
+    assert "guard" not in run["spec"]
     assert Run.objects.get(pk=run["id"]).events.get().kind == "queued"
 
 
