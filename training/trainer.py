@@ -323,9 +323,12 @@ class Trainer:
         # fails (a peer died) still holds the previous step's state whole (`_snapshot_at_failure`).
         grad_norm = clip_grad_norm_(self.params, self.spec.train.grad_clip, self.pp_group)
         guarding = self.spec.guard.nonfinite == "skip"
+        skipped = False
         # 1 where this rank's loss or gradient norm is NaN or infinite; kept on the device.
         spoiled = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).to(loss.dtype) if guarding else None
-        if self.distributed:
+        if not self.distributed and spoiled is not None:
+            skipped = bool(spoiled.item() > 0)
+        elif self.distributed:
             # Rank 0 may not hold the loss (pipeline) and each dp rank holds only its share: sum
             # every last-stage, first-tp rank's mean / dp over the world.
             holds_loss = self.model.has_last_stage and self.reports_loss
@@ -342,9 +345,9 @@ class Trainer:
                     share, torch.full_like(share, float(asked)), spoiled if spoiled is not None else torch.zeros_like(share),
                 ])  # fmt: skip
                 dist.all_reduce(riders)
-                loss, asked, spoiled = riders[0], bool(riders[1].item() > 0), riders[2] if guarding else None
+                found, spoiled_anywhere = riders[1:].tolist()  # one read from the device for both
+                loss, asked, skipped = riders[0], found > 0, guarding and spoiled_anywhere > 0
         self.stop_agreed = asked
-        skipped = spoiled is not None and bool(spoiled.item() > 0)
         self.checkpointer.wait_for_staging()  # a background save may still be copying the weights
         self._held = None
         for opt in self.optimizers:
