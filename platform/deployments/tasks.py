@@ -148,7 +148,8 @@ def reconcile_deployments() -> int:
         supervision.place_missing(deployment)
     with transaction.atomic():  # the host rows locked, as placement locks them
         scheduling.release_ended_claims(list(Host.objects.select_for_update().order_by("pk")))
-    for deployment in Deployment.objects.filter(status__in=SUPERVISED, supervisor_pid__isnull=False):
+    # One scaled to zero is going to sleep: its supervisor exits before it is marked asleep.
+    for deployment in Deployment.objects.filter(status__in=SUPERVISED, supervisor_pid__isnull=False).exclude(replicas=0):
         if deployment.supervisor_pid is not None and not is_alive(deployment.supervisor_pid):
             said = supervisor_last_words(deployment)
             failed += fail(deployment, f"the replica supervisor exited: {said}" if said else "the replica supervisor exited")

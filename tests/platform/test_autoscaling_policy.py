@@ -5,6 +5,8 @@ tests/platform/test_v1_served.py.)"""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 from django.test import Client
 
@@ -12,6 +14,7 @@ from controlplane.exceptions import InvalidInput
 from deployments import services
 from deployments.autoscaling import Autoscaling, Decision, Load, ScalerState, decide
 from deployments.models import Deployment
+from deployments.tasks import reconcile_deployments
 from tests.platform.test_deployment_status import make_deployment
 
 POLICY = Autoscaling(min_replicas=1, max_replicas=3, target_waiting=2, window_s=10, cooldown_s=60, idle_s=120)
@@ -154,3 +157,13 @@ def test_the_deployment_page_shows_the_policy_the_count_and_the_decisions_with_t
     decisions = page.split('id="scaling-decisions"')[1].split("</ul>")[0]
     assert decisions.index("asleep: scaled to zero") < decisions.index("1 → 0 replicas: no request for 601 s")
     assert decisions.index("1 → 0 replicas") < decisions.index("2 → 1 replicas: no request waiting and 3 running")
+
+
+@pytest.mark.django_db
+def test_a_deployment_going_to_sleep_is_not_failed_for_its_supervisors_exit(alice):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    # Scaled to zero: the sleep task stopped its supervisor and has yet to mark it asleep.
+    going = make_deployment(alice, Deployment.Status.READY, replicas=0, supervisor_pid=gone.pid)
+    assert reconcile_deployments() == 0
+    assert Deployment.objects.get(pk=going.pk).status == "ready"

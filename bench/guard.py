@@ -1,0 +1,106 @@
+"""What the guard costs a normal step, and what skipping non-finite steps does to a run.
+
+    python -m bench.guard [--recipe small] [--steps 30] [--blocks 4] [--run-steps 120]
+
+Both in this process, one thread, the trainer the ranks run (`training.trainer.Trainer`):
+
+1. Overhead: the recipe as a user submits it (`small`: ≈16M parameters, fp32), one trainer with
+   `guard.nonfinite: skip` (the default) and one with `off`, each trained `steps` steps in
+   `blocks` alternating blocks, so load that drifts over the minutes falls on both alike. The
+   guard's cost is its finiteness test of the loss and the gradient norm and one read of it from
+   the device (one process: no all-reduce for its verdict to ride). `guard_step_overhead` is the
+   median step time with it ÷ without, minus one. Target (issue 39): ≤ 0.01.
+2. Skipped steps: the `tiny` recipe trained `run_steps` steps twice from the same seed and the
+   same batches, once clean and once with five `nonfinite_grad` faults (steps spread over the
+   run). `nonfinite_skipped` counts what the guard skipped; `final_loss_over_clean` compares the
+   mean loss of the last 10 steps. Target: skipped = 5, ratio ≤ 1.01.
+
+Loss spikes and rollback (the issue's `rolled_back`) are not built yet.
+
+Ends with one `key=value` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.train_throughput import bench_spec, prepare
+from training.config import FaultSpec, GuardConfig
+from training.faults import FaultHook
+from training.run_dir import RunDir
+from training.trainer import Trainer
+
+FAULT_STEPS = 5
+
+
+def step_times(trainer: Trainer, first: int, steps: int) -> list[float]:
+    times = []
+    for step in range(first, first + steps):
+        start = time.perf_counter()
+        trainer.train_step(step)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def overhead(work: Path, recipe: str, steps: int, blocks: int) -> tuple[float, float, float]:
+    """(median step with the guard, without, the ratio minus one)."""
+    spec = bench_spec(steps=steps * blocks + 2, recipe=recipe)
+    data = prepare(work, spec)
+    trainers = {
+        mode: Trainer(spec=dataclasses.replace(spec, guard=GuardConfig(nonfinite=mode)), run_dir=work / mode, data=data)
+        for mode in ("skip", "off")
+    }
+    for trainer in trainers.values():  # warm-up: the first steps allocate
+        step_times(trainer, 1, 2)
+    times: dict[str, list[float]] = {"skip": [], "off": []}
+    for block in range(blocks):
+        order = ("skip", "off") if block % 2 == 0 else ("off", "skip")
+        for mode in order:
+            times[mode] += step_times(trainers[mode], 3 + block * steps, steps)
+    with_guard, without = statistics.median(times["skip"]), statistics.median(times["off"])
+    return with_guard, without, with_guard / without - 1
+
+
+def skipped_run(work: Path, run_steps: int) -> tuple[int, float]:
+    """(steps the guard skipped, final loss ÷ the clean run's)."""
+    spec = bench_spec(steps=run_steps, recipe="tiny")
+    data = prepare(work, spec)
+    spread = [run_steps * (i + 1) // (FAULT_STEPS + 1) for i in range(FAULT_STEPS)]
+    faults = [FaultSpec(kind="nonfinite_grad", rank=0, step=step, once=False) for step in spread]
+    finals = []
+    skipped = 0
+    for name, run_spec in (("clean", spec), ("faulty", dataclasses.replace(spec, faults=faults))):
+        run_dir = work / f"run-{name}"
+        hooks = [FaultHook(faults, rank=0, local_rank=0, node_rank=0, run_dir=RunDir(run_dir))] if run_spec.faults else []
+        trainer = Trainer(spec=run_spec, run_dir=run_dir, data=data, hooks=hooks)
+        losses = [trainer.train_step(step)["loss"] for step in range(1, run_steps + 1)]
+        finals.append(statistics.mean(losses[-10:]))
+        skipped = trainer.nonfinite_skipped if run_spec.faults else skipped
+        print(f"{name}: mean loss of the last 10 steps {finals[-1]:.4f}; skipped {trainer.nonfinite_skipped}", flush=True)
+    return skipped, finals[1] / finals[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="small")
+    parser.add_argument("--steps", type=int, default=30, help="steps per block of the overhead measure")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--run-steps", type=int, default=120)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="fathom-bench-guard-"))
+    with_guard, without, cost = overhead(work, args.recipe, args.steps, args.blocks)
+    print(f"step with the guard {1000 * with_guard:.1f} ms, without {1000 * without:.1f} ms", flush=True)
+    skipped, ratio = skipped_run(work, args.run_steps)
+    print(f"guard_step_overhead={cost:.4f} nonfinite_skipped={skipped} final_loss_over_clean={ratio:.4f}")
+
+
+if __name__ == "__main__":
+    main()
