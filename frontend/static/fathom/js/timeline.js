@@ -20,6 +20,7 @@ const IMPORTANCE = {
   host_lost: "bad",
   waiting: "warn",
   restarting: "warn",
+  step_skipped: "warn",
   cancel_requested: "warn",
   cancelled: "warn",
   stopped: "warn",
@@ -57,6 +58,8 @@ export function describe(e) {
       return ["Resumed", e.source === "memory" ? `from the in-memory snapshot of step ${e.step}` : `from the checkpoint of step ${e.step}`];
     case "checkpoint":
       return ["Checkpoint", `step ${e.step}`];
+    case "step_skipped":
+      return [`Step ${e.step} skipped`, `${e.reason}; its weights update was left out on every rank (${e.skipped} so far, ${e.in_a_row} in a row)`];
     case "node_lost":
       return ["Node lost", `${e.nodes_before} → ${e.nodes} nodes`];
     case "placed":
