@@ -59,7 +59,7 @@ export function describe(e) {
     case "checkpoint":
       return ["Checkpoint", `step ${e.step}`];
     case "step_skipped":
-      return [`Step ${e.step} skipped`, `${e.reason}; its weights update was left out on every rank (${e.skipped} so far, ${e.in_a_row} in a row)`];
+      return [`Step ${e.step} skipped`, `${e.reason}; its optimizer step was left out on every rank (${e.skipped} so far, ${e.in_a_row} in a row)`];
     case "node_lost":
       return ["Node lost", `${e.nodes_before} → ${e.nodes} nodes`];
     case "placed":
