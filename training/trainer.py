@@ -393,11 +393,14 @@ class Trainer:
         self.nonfinite_skipped += 1
         self._nonfinite_in_a_row += 1
         what = f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}"
+        # This rank's own figures may be finite: the verdict is any rank's.
+        mine = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
+        reason = f"not finite on another rank (rank {self.rank} saw {what})" if mine else f"{what}: not finite"
         if self.rank == 0:
-            say(f"step {step}: {what}; its optimizer step was skipped on every rank")
+            say(f"step {step}: {reason}; its optimizer step was skipped on every rank")
             if self.events is not None:
                 self.events.emit(
-                    "step_skipped", step=step, reason=f"{what}: not finite", skipped=self.nonfinite_skipped,
+                    "step_skipped", step=step, reason=reason, skipped=self.nonfinite_skipped,
                     in_a_row=self._nonfinite_in_a_row,
                 )  # fmt: skip
         limit = self.spec.guard.max_nonfinite_in_a_row
