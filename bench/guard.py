@@ -1,10 +1,11 @@
 """What the guard costs a normal step, and what skipping non-finite steps does to a run.
 
-    python -m bench.guard [--recipe small] [--steps 30] [--blocks 4] [--run-steps 120]
+    python -m bench.guard [--recipe tiny] [--steps 50] [--blocks 6] [--run-steps 120]
 
 Both in this process, one thread, the trainer the ranks run (`training.trainer.Trainer`):
 
-1. Overhead: the recipe as a user submits it (`small`: ≈16M parameters, fp32), one trainer with
+1. Overhead: the recipe as a user submits it (`tiny` by default: its ~44 ms step is where a fixed
+   cost per step weighs most; `small`'s takes seconds on one thread here), one trainer with
    `guard.nonfinite: skip` (the default) and one with `off`, each trained `steps` steps in
    `blocks` alternating blocks, so load that drifts over the minutes falls on both alike. The
    guard's cost is its finiteness test of the loss and the gradient norm and one read of it from
@@ -89,9 +90,9 @@ def skipped_run(work: Path, run_steps: int) -> tuple[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default="small")
-    parser.add_argument("--steps", type=int, default=30, help="steps per block of the overhead measure")
-    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--recipe", default="tiny")
+    parser.add_argument("--steps", type=int, default=50, help="steps per block of the overhead measure")
+    parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--run-steps", type=int, default=120)
     args = parser.parse_args()
     torch.set_num_threads(1)
