@@ -86,6 +86,7 @@ def sleep(deployment: Deployment) -> bool:
     supervision.stop(deployment)
     supervision.sync(deployment)
     supervision.mark_stopped(deployment)
+    Deployment.objects.filter(pk=deployment.pk).update(supervisor_pid=None)  # it exited, as it was asked
     return services.do_set_status(
         deployment, Deployment.Status.ASLEEP, only_from=SCALED, event="asleep",
         data={"reason": "scaled to zero: the next request wakes it"},
@@ -101,9 +102,12 @@ def wake(deployment_id: int) -> bool:
             return False
         policy = row.autoscaling_policy
         replicas = max(policy.min_replicas, 1) if policy is not None else 1
+        # No supervisor_pid until its start names the new one: reconcile_deployments would take
+        # the old one's exit for a failure (it did, in a clean clone's test_v1_served).
         Deployment.objects.filter(pk=row.pk).update(
-            status=Deployment.Status.PENDING, replicas=replicas, scaler=ScalerState(changed_at=time.time()).to_dict()
-        )
+            status=Deployment.Status.PENDING, replicas=replicas, scaler=ScalerState(changed_at=time.time()).to_dict(),
+            supervisor_pid=None,
+        )  # fmt: skip
         Replica.objects.filter(deployment=row, index__gte=replicas).delete()
         services.do_record(row, "waking", {"replicas": replicas, "reason": "a request arrived while it slept"})
         enqueue_on_commit("deployments.tasks.start_deployment", row.pk)

@@ -11,7 +11,7 @@ import pytest
 from django.test import Client
 
 from controlplane.exceptions import InvalidInput
-from deployments import services
+from deployments import scaling, services
 from deployments.autoscaling import Autoscaling, Decision, Load, ScalerState, decide
 from deployments.models import Deployment
 from deployments.tasks import reconcile_deployments
@@ -167,3 +167,20 @@ def test_a_deployment_going_to_sleep_is_not_failed_for_its_supervisors_exit(alic
     going = make_deployment(alice, Deployment.Status.READY, replicas=0, supervisor_pid=gone.pid)
     assert reconcile_deployments() == 0
     assert Deployment.objects.get(pk=going.pk).status == "ready"
+
+
+@pytest.mark.django_db
+def test_a_woken_deployment_is_not_failed_for_its_last_supervisors_exit_while_it_starts(alice):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    asleep = make_deployment(
+        alice, Deployment.Status.ASLEEP, replicas=0, supervisor_pid=gone.pid,
+        autoscaling=Autoscaling(min_replicas=0, max_replicas=2).to_dict(),
+    )  # fmt: skip
+    assert scaling.wake(asleep.pk) and not scaling.wake(asleep.pk)  # many held requests wake it once
+    woken = Deployment.objects.get(pk=asleep.pk)
+    assert (woken.status, woken.replicas, woken.supervisor_pid) == ("pending", 1, None)
+    # The start task has claimed it and not yet named its new supervisor: a reconcile meanwhile.
+    services.do_set_status(woken, Deployment.Status.STARTING, only_from=[Deployment.Status.PENDING], event=None)
+    assert reconcile_deployments() == 0
+    assert list(woken.events.values_list("kind", flat=True)) == ["waking"]

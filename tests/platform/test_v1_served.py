@@ -219,7 +219,8 @@ def _sleeps_when_idle_and_a_request_wakes_it(client: httpx.Client, server: WebSe
     held, answered 503 with Retry-After past the wake timeout, and answered once a replica is ready."""
     url = f"/api/deployments/{deployment_id}/autoscaling/"
     policy = {"min_replicas": 0, "max_replicas": 1, "idle_s": 4, "wake_timeout_s": 1}
-    assert client.put(url, json={"autoscaling": policy}).status_code == 200
+    put = client.put(url, json={"autoscaling": policy})
+    assert put.status_code == 200, put.text
     supervisor = Deployment.objects.get(pk=deployment_id).supervisor_pid
     asleep = wait_for(
         lambda: (d := client.get(f"/api/deployments/{deployment_id}/").json())["status"] == "asleep" and d,
@@ -243,7 +244,8 @@ def _sleeps_when_idle_and_a_request_wakes_it(client: httpx.Client, server: WebSe
 
     # A longer wake timeout: held until the replica it started is ready, then answered.
     policy = {**policy, "idle_s": 600, "wake_timeout_s": 240}
-    assert client.put(url, json={"autoscaling": policy}).status_code == 200
+    put = client.put(url, json={"autoscaling": policy})
+    assert put.status_code == 200, (put.text, list(Deployment.objects.get(pk=deployment_id).events.values_list("kind", "data")))
     time.sleep(KEY_CACHE_S + 1)  # the web process reads the policy again with the key
     answer = v1.completions.create(model=MODEL, prompt="the cat sees", max_tokens=4, temperature=0)
     assert answer.choices[0].text and answer.usage.completion_tokens == 4
