@@ -43,10 +43,11 @@ def autoscale(deployment: Deployment, metrics: dict[str, Any]) -> Decision | Non
             time.time(),
         )  # fmt: skip
         before = row.replicas
-        changes: dict[str, Any] = {"scaler": state.to_dict()}
+        changes: dict[str, Any] = {} if state == ScalerState.from_dict(row.scaler) else {"scaler": state.to_dict()}
         if decision is not None:
             changes["replicas"] = decision.replicas
-        Deployment.objects.filter(pk=row.pk).update(**changes)
+        if changes:  # a steady load changes nothing: no write every sync
+            Deployment.objects.filter(pk=row.pk).update(**changes)
         if decision is None:
             return None
         services.do_record(row, "scaled", {"from": before, "to": decision.replicas, "reason": decision.reason})

@@ -205,10 +205,7 @@ def do_set_autoscaling(deployment: Deployment, autoscaling: dict[str, Any] | Non
     A count outside the new bounds moves to the nearest one at the next sync."""
     if deployment.status not in Deployment.ACTIVE:
         raise WrongState("status", f"autoscaling is set on active deployments; this one is {deployment.status}")
-    stored = None
-    if autoscaling is not None:
-        policy = Autoscaling.from_dict(autoscaling)
-        stored = policy.to_dict()
+    stored = Autoscaling.from_dict(autoscaling).to_dict() if autoscaling is not None else None
     with transaction.atomic():
         Deployment.objects.filter(pk=deployment.pk).update(autoscaling=stored, scaler={})
         do_record(deployment, "autoscaling", {"autoscaling": stored})

@@ -301,13 +301,14 @@ class HostsExecutor(LocalExecutor):
         ones are placed as a new block, where none of its replicas runs; a removal stops the
         supervisors of hosts that hold only removed replicas, whose devices go back once their
         beats list it no more (`scheduling.release_ended_claims`)."""
-        held = supervisors.replicas_on_hosts(deployment)
+        by_host = {host: supervisors.replicas_on_hosts(deployment, host) for host in supervisors.placed_hosts(deployment)}
+        held: set[int] = set().union(*by_host.values())
         if not held:
             return super().change_replicas(deployment, request)  # started here before any host registered
         wanted = set(request.replicas)
         removed = held - wanted
-        stopping = [h for h in supervisors.placed_hosts(deployment) if supervisors.replicas_on_hosts(deployment, h) <= removed]
-        if removed and set().union(*(supervisors.replicas_on_hosts(deployment, h) for h in stopping)) != removed:
+        stopping = [host for host, replicas in by_host.items() if replicas <= removed]
+        if removed and set().union(*(by_host[host] for host in stopping)) != removed:
             return False
         if added := sorted(wanted - held):
             self.start_supervisors(dataclasses.replace(request, replicas=added))
