@@ -431,12 +431,26 @@ class Checkpointer:
 
     # Which checkpoints there are ----------------------------------------------------------------
 
-    def latest_step(self) -> int | None:
-        """The step of the newest committed checkpoint, if any."""
+    def committed_steps(self) -> list[int]:
+        """The steps of the committed checkpoints, oldest first."""
         if self.stored is not None:
-            return self.stored.latest_step()
-        latest = self.run_dir.latest_checkpoint()
-        return None if latest is None else step_of(latest)
+            return self.stored.committed_steps()
+        return [int(step_of(path) or 0) for path in self.run_dir.committed_checkpoints()]
+
+    def latest_step(self, before: int | None = None) -> int | None:
+        """The step of the newest committed checkpoint (before step `before`, if given), if any."""
+        steps = [step for step in self.committed_steps() if before is None or step < before]
+        return steps[-1] if steps else None
+
+    def remove_newer_than(self, step: int) -> None:
+        """Deletes the committed checkpoints after `step`: a guard's rollback abandoned them (rank 0)."""
+        for newer in (s for s in self.committed_steps() if s > step):
+            if self.stored is not None:
+                self.stored.remove(newer)
+            else:
+                path = self.run_dir.checkpoint(newer)
+                CheckpointDir(path).committed_marker.unlink(missing_ok=True)  # first: what is left never counts
+                shutil.rmtree(path, ignore_errors=True)
 
     def remove_uncommitted(self) -> None:
         """Deletes the torn saves of an earlier attempt; rank 0, before any rank saves."""

@@ -101,6 +101,11 @@ class CheckpointPolicy:
         self.save_cost = state["save_cost"]
         self.young_interval = state["young_interval"]
 
+    def restart_clock(self) -> None:
+        """The next `due` measures no gap: the time since the last one went to a guard's rollback,
+        which is neither a step's nor a save's."""
+        self._last = None
+
     def due(self, step: int) -> bool:
         now = time.perf_counter()
         if self._last is not None:
@@ -181,6 +186,10 @@ class SnapshotPolicy:
         self._step_times: list[float] = []
         self._last: float | None = None
         self.cost: float | None = None
+
+    def restart_clock(self) -> None:
+        """As CheckpointPolicy.restart_clock: a rollback's time is not a step's."""
+        self._last = None
 
     def due(self, step: int) -> bool:
         now = time.perf_counter()

@@ -25,7 +25,7 @@ Recompute = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16"]
 FaultKind = Literal[
     "kill_rank", "crash_rank", "hang_rank", "kill_during_checkpoint", "slow_checkpoint", "slow_steps", "kill_agent",
-    "nonfinite_grad",
+    "nonfinite_grad", "corrupt_weights",
 ]  # fmt: skip
 NonFinite = Literal["skip", "off"]
 
@@ -492,19 +492,48 @@ class ResourcesConfig:
 
 @dataclass(kw_only=True)
 class GuardConfig:
-    """What every rank does, alike, about a step whose loss or global gradient norm is not finite
-    (NaN or inf: a corrupt batch, an overflow) (training/trainer.py): "skip" leaves the weights
-    and the optimizer's state as they were, moves on to the next batch and records the step;
-    "off" trains through it, as before the guard existed."""
+    """What every rank does, alike, when a step goes wrong (training/guard.py, docs/training.md).
+
+    A step whose loss or global gradient norm is not finite (NaN or inf: a corrupt batch, an
+    overflow): "skip" leaves the weights and the optimizer's state as they were and moves on to
+    the next batch; "off" trains through it, as before the guard existed.
+
+    A loss spike: the step's loss more than `spike_zscore` standard deviations above the mean of
+    the `window` steps before it (the deviation floored at 1 % of the mean, so that a flat
+    plateau's tiny noise does not make every blip a spike); 0 turns it off. A spike, or
+    `max_nonfinite_in_a_row` skipped steps in a row, rolls every rank back to the newest
+    checkpoint or in-memory snapshot from before it, skips the batches from there to the spike
+    and at least `rollback_skip_batches`, and trains on. The rollback after `max_rollbacks`
+    fails the run, naming the spikes."""
 
     nonfinite: NonFinite = "skip"
-    # Non-finite steps in a row after which the run fails, naming them: a model that diverged,
-    # which skipping batches does not cure.
     max_nonfinite_in_a_row: int = 5
+    spike_zscore: float = 6.0
+    window: int = 100  # steps of trailing loss a spike is measured against; none is judged before
+    # PaLM skipped 200-500 batches around each spike at 540B parameters; most runs are smaller.
+    rollback_skip_batches: int = 50
+    max_rollbacks: int = 3
 
     def __post_init__(self) -> None:
         _choice("guard", "nonfinite", self.nonfinite, get_args(NonFinite))
-        _positive("guard", self, "max_nonfinite_in_a_row")
+        _positive("guard", self, "max_nonfinite_in_a_row", "max_rollbacks")
+        _require(
+            isinstance(self.spike_zscore, (int, float)) and not isinstance(self.spike_zscore, bool)
+            and (self.spike_zscore == 0 or self.spike_zscore >= 2),
+            "guard.spike_zscore",
+            f"must be 0 (off) or a number ≥ 2 (standard deviations); got {self.spike_zscore!r}",
+        )  # fmt: skip
+        _require(
+            isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 8,
+            "guard.window",
+            f"must be an integer ≥ 8 (steps); got {self.window!r}",
+        )
+        _require(
+            isinstance(self.rollback_skip_batches, int) and not isinstance(self.rollback_skip_batches, bool)
+            and self.rollback_skip_batches >= 0,
+            "guard.rollback_skip_batches",
+            f"must be an integer ≥ 0; got {self.rollback_skip_batches!r}",
+        )  # fmt: skip
 
 
 @dataclass(kw_only=True)

@@ -489,6 +489,11 @@ class ShardedSampler:
         self.consumed += self.global_batch
         return indices
 
+    def skip(self, batches: int) -> None:
+        """Passes over the next `batches` global batches unseen (a guard's rollback); the position,
+        and so a resume, counts them."""
+        self.consumed += batches * self.global_batch
+
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples}
 

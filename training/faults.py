@@ -12,6 +12,7 @@ Each `FaultSpec` fires inside a rank, from the training hooks, at a chosen step:
 | `slow_steps`             | global rank `rank`                   | start of every step ≥ `step` | waits 0.2 s: a slower host, so a run outlasts a time limit however fast this one is |
 | `kill_agent`             | local rank 0 on node `node`          | start of step `step`        | SIGKILL its node agent   |
 | `nonfinite_grad`         | global rank `rank`                   | step `step`, after backward | sets one of its gradients to NaN: a corrupt batch or an overflow, for the guard (`guard.nonfinite`) |
+| `corrupt_weights`        | global rank `rank`                   | start of step `step`        | multiplies its weights by 8: silent data corruption, whose loss spikes at once (`guard.spike_zscore`) |
 
 `once` faults fire at most once per run, not once per process: a resumed run replays the steps
 after its checkpoint and would otherwise meet the same fault again, forever. Before firing, the
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from training.config import FaultSpec
 from training.run_dir import RunDir
 
@@ -39,6 +42,7 @@ CHECKPOINT_FAULTS = ("kill_during_checkpoint", "slow_checkpoint")
 GRADIENT_FAULTS = ("nonfinite_grad",)
 SLOW_CHECKPOINT_SECONDS = 5.0
 SLOW_STEP_SECONDS = 0.2
+CORRUPTION_FACTOR = 8.0
 
 
 class FaultHook:
@@ -55,11 +59,17 @@ class FaultHook:
             or (f.kind != "kill_agent" and f.rank == rank)
         ]
 
-    def on_step_start(self, step: int) -> None:
+    def on_step_start(self, step: int, params: list[Any]) -> None:
         for fault in self._mine:
             if fault.kind == "slow_steps":
                 if step >= fault.step:
                     time.sleep(SLOW_STEP_SECONDS)  # every step, on every attempt: the host is slow
+            elif fault.kind == "corrupt_weights":
+                if fault.step == step and self._claim(fault):
+                    print(f"fathom: injecting fault {fault.kind} at step {fault.step}", flush=True)
+                    with torch.no_grad():
+                        for param in params:  # this rank's shard of each (DTensor or not)
+                            (param.to_local() if hasattr(param, "to_local") else param).mul_(CORRUPTION_FACTOR)
             elif fault.kind not in (*CHECKPOINT_FAULTS, *GRADIENT_FAULTS) and fault.step == step and self._claim(fault):
                 _fire(fault)
 

@@ -69,7 +69,7 @@ class HeartbeatHook:
         self._thread = threading.Thread(target=self._run, name="fathom-heartbeat", daemon=True)
         self._thread.start()
 
-    def on_step_start(self, step: int) -> None:
+    def on_step_start(self, step: int, params: list[Any]) -> None:
         self._step, self._phase = step, "step"
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:

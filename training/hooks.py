@@ -2,7 +2,7 @@
 
 The trainer calls every hook at fixed points of each step; hooks never change what is
 computed, so a run with hooks produces the same losses as one without (an injected fault, by
-design, aside: `nonfinite_grad` spoils a gradient). The heartbeat
+design, aside: `nonfinite_grad` spoils a gradient, `corrupt_weights` the weights). The heartbeat
 (watchdog) and fault injection are hooks; `build_hooks` reads what the agent asked for
 from the environment it set for the rank.
 """
@@ -16,8 +16,8 @@ from training.config import RunSpec
 
 
 class TrainHook(Protocol):
-    def on_step_start(self, step: int) -> None:
-        """Called before the forward pass of optimizer step `step` (1-based)."""
+    def on_step_start(self, step: int, params: list[Any]) -> None:
+        """Called before the forward pass of optimizer step `step` (1-based), with the rank's parameters."""
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         """Called after the optimizer step; `metrics` is rank 0's metrics row (empty on other ranks)."""

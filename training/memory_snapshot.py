@@ -206,6 +206,17 @@ class MemorySnapshots:
         self.settle()
         return sorted(meta["step"] for slot in range(SLOTS) if (meta := self._read_meta(slot)) is not None)
 
+    def discard_newer_than(self, step: int) -> None:
+        """Stops counting this rank's snapshots after `step` (a guard's rollback abandoned them);
+        their slots are written over first."""
+        self.settle()
+        for slot in range(SLOTS):
+            meta = self._read_meta(slot)
+            if meta is not None and meta["step"] > step:
+                for path in self.folder.memory_snapshot_metas(self.rank, slot):
+                    path.unlink(missing_ok=True)
+                self._next_slot = slot
+
     def available(self) -> dict[int, int]:
         """step → the rank whose whole snapshot of it this rank can restore: its own, else a
         replica's on this host."""

@@ -34,6 +34,7 @@ from training.collectives import agreed
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.device import CPU, ComputeDevice, device_peak_memory_mb, host_cache, peak_flops
+from training.guard import LossGuard
 from training.hooks import TrainHook
 from training.initial_weights import initial_weights
 from training.memory_snapshot import MemorySnapshots
@@ -90,6 +91,15 @@ def training_and_held_out(data: PreparedData, spec: RunSpec) -> tuple[TokenWindo
     if spec.data.validation_fraction > 0:
         return windows.split(spec.data.validation_fraction)
     return windows, None
+
+
+class RollBack(Exception):
+    """Raised by `train_step` when the guard wants every rank rolled back (all raise it alike)."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(reason)
+        self.step = step
+        self.reason = reason
 
 
 class Trainer:
@@ -186,6 +196,7 @@ class Trainer:
         self.stop_request = rank_env.stop_request_file if rank_env is not None else None
         self.stop_agreed = False  # at the last step's end some rank had found the stop request
         self.nonfinite_skipped = 0  # steps this process skipped (spec.guard)
+        self.guard = LossGuard(spec.guard)
         self._nonfinite_in_a_row = 0
         self.stopped_at: int | None = None  # the step `fit` checkpointed and stopped at, when asked to
 
@@ -301,7 +312,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, Any]:
         for hook in self.hooks:
-            hook.on_step_start(step)
+            hook.on_step_start(step, self.params)
         start = time.perf_counter()
         lr = lr_at(step, self.spec.train)
         for opt in self.optimizers:
@@ -323,41 +334,49 @@ class Trainer:
         # fails (a peer died) still holds the previous step's state whole (`_snapshot_at_failure`).
         grad_norm = clip_grad_norm_(self.params, self.spec.train.grad_clip, self.pp_group)
         guarding = self.spec.guard.nonfinite == "skip"
+        watching = self.guard.watches_spikes
         skipped = False
+        loss_value: float | None = None  # the step's loss on every rank, read where the guard judges it
         # 1 where this rank's loss or gradient norm is NaN or infinite; kept on the device.
         spoiled = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).to(loss.dtype) if guarding else None
-        if not self.distributed and spoiled is not None:
-            skipped = bool(spoiled.item() > 0)
+        if not self.distributed and (guarding or watching):
+            loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.dtype)]).tolist()  # one read
+            skipped = guarding and not (math.isfinite(loss_value) and math.isfinite(norm_value))
         elif self.distributed:
             # Rank 0 may not hold the loss (pipeline) and each dp rank holds only its share: sum
             # every last-stage, first-tp rank's mean / dp over the world.
             holds_loss = self.model.has_last_stage and self.reports_loss
             share = loss / self.dims.dp if holds_loss else torch.zeros((), device=self.device.torch_device)
-            if self.stop_request is None and spoiled is None:
+            if self.stop_request is None and not guarding and not watching:
                 dist.all_reduce(share)
                 loss = share
             else:
                 # The stop request and the guard's verdict ride on the loss's all-reduce: every
                 # rank learns in the same step whether any rank found the request (only one need
                 # see the file: the batch script's node sees it at once, a shared file system's
-                # other clients maybe later) or a non-finite value.
+                # other clients maybe later) or a non-finite value, and the loss the guard judges.
                 riders = torch.stack([
                     share, torch.full_like(share, float(asked)), spoiled if spoiled is not None else torch.zeros_like(share),
                 ])  # fmt: skip
                 dist.all_reduce(riders)
-                found, spoiled_anywhere = riders[1:].tolist()  # one read from the device for both
+                loss_value, found, spoiled_anywhere = riders.tolist()  # one read from the device for all
                 loss, asked, skipped = riders[0], found > 0, guarding and spoiled_anywhere > 0
         self.stop_agreed = asked
+        trouble = self._trouble(step, loss, grad_norm) if skipped else None
+        if trouble is None and not skipped and loss_value is not None:
+            spike = self.guard.judge(step, loss_value)
+            trouble = spike.describe() if spike is not None else None
         self.checkpointer.wait_for_staging()  # a background save may still be copying the weights
         self._held = None
         for opt in self.optimizers:
-            if not skipped:
+            if not skipped and trouble is None:
                 opt.step()
             opt.zero_grad(set_to_none=True)
         self._held = (step, self.sampler.state_dict())
-        if skipped:
-            self._skipped(step, loss, grad_norm)
-        else:
+        if trouble is not None:
+            self._held = None  # its state is not the step's, and a rollback replaces it
+            raise RollBack(step, trouble)
+        if not skipped:
             self._nonfinite_in_a_row = 0
         end = time.perf_counter()
         step_time = end - start
@@ -387,9 +406,9 @@ class Trainer:
             hook.on_step_end(step, metrics)
         return metrics
 
-    def _skipped(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Counts a step the guard skipped, reports it (rank 0), and fails the run once too many
-        came in a row: a diverged model, which skipping more batches would not cure."""
+    def _trouble(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
+        """Counts a step the guard skipped and reports it (rank 0); once too many came in a row,
+        the reason to roll back: the model is diverging, which skipping more batches would not cure."""
         self.nonfinite_skipped += 1
         self._nonfinite_in_a_row += 1
         what = f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}"
@@ -405,11 +424,8 @@ class Trainer:
                 )  # fmt: skip
         limit = self.spec.guard.max_nonfinite_in_a_row
         if self._nonfinite_in_a_row >= limit:
-            raise NonRetryable(
-                "training",
-                f"the loss or gradient norm was not finite at {limit} steps in a row (the last, step {step}: {what}); "
-                "the model diverged: lower train.lr or raise train.warmup_steps, or resume from an earlier checkpoint",
-            )
+            return f"the loss or gradient norm was not finite at {limit} steps in a row (the last, step {step}: {what})"
+        return None
 
     def _peak_memory_mb(self, now: float) -> float:
         """The rank's peak memory, read at most once a second: reading it costs ~80 µs on CPU
@@ -432,14 +448,15 @@ class Trainer:
 
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint's fathom.json keeps beside the tensors (the checkpointer adds the spec)."""
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "guard": self.guard.state_dict()}
 
-    def _memory_step(self, newer_than: int) -> tuple[int, int] | None:
-        """(step, the rank whose snapshot this rank restores) for the newest step every rank can
-        restore from memory (its own snapshot or a replica's on its host), if newer than `newer_than`."""
+    def _memory_step(self, newer_than: int, before: int | None = None) -> tuple[int, int] | None:
+        """(step, the rank whose snapshot this rank restores) for the newest step (before `before`,
+        if given) every rank can restore from memory (its own snapshot or a replica's on its
+        host), if newer than `newer_than`."""
         if self.snapshots is None:
             return None
-        held = self.snapshots.available()
+        held = {step: source for step, source in self.snapshots.available().items() if before is None or step < before}
         common = max(held, default=-1)
         if self.distributed:
             (newest,) = agreed([common], dist.ReduceOp.MIN, device=self.device.torch_device)
@@ -457,10 +474,35 @@ class Trainer:
             self.checkpointer.remove_uncommitted()  # torn saves of an earlier attempt
         if self.distributed:
             dist.barrier()  # every rank sees the same checkpoints folder from here on
-        checkpoint = self.checkpointer.latest_step()
         env = RankEnvironment.from_environ()
         self._uncovered_failures = env.attempt if env is not None else 0  # unless a snapshot tells better
-        in_memory = self._memory_step(0 if checkpoint is None else checkpoint)
+        restored = self._restore()
+        if restored is None:
+            return 0
+        step, source, extra = restored
+        self.guard.load_state_dict(extra.get("guard"))
+        if source == "memory":
+            # A snapshot taken as the last attempt failed covered that failure; a periodic one did not.
+            self._uncovered_failures = extra["uncovered_failures"] + (0 if extra["at_failure"] else 1)
+            kind = "taken at the failure" if extra["at_failure"] else "in-memory snapshot"
+            if self.rank == 0:
+                say(f"resumed from the {kind} of step {step}")
+            if self.events is not None:
+                self.events.emit("resumed", step=step, source="memory", at_failure=extra["at_failure"])
+        else:
+            if self.rank == 0:
+                say(f"resumed from step {step} ({source})")
+            if self.events is not None:
+                self.events.emit("resumed", step=step, path=source)
+        return step
+
+    def _restore(self, before: int | None = None) -> tuple[int, str, dict[str, Any]] | None:
+        """Loads the newest saved state (before step `before`, if given): every rank's in-memory
+        snapshot where one is newer than the newest committed checkpoint, else that checkpoint.
+        Returns (its step, "memory" or the checkpoint's location, what was saved beside the
+        tensors), or None where there is none."""
+        checkpoint = self.checkpointer.latest_step(before=before)
+        in_memory = self._memory_step(0 if checkpoint is None else checkpoint, before=before)
         if in_memory is not None:
             assert self.snapshots is not None
             memory_step, source = in_memory
@@ -468,29 +510,62 @@ class Trainer:
             self.sampler.load_state_dict(extra["sampler"])
             set_rng_state(extra["rng"])
             self._resumed_policy = extra["checkpoint_policy"]
-            # A snapshot taken as the last attempt failed covered that failure; a periodic one did not.
-            self._uncovered_failures = extra["uncovered_failures"] + (0 if extra["at_failure"] else 1)
-            kind = "taken at the failure" if extra["at_failure"] else "in-memory snapshot"
-            if self.rank == 0:
-                say(f"resumed from the {kind} of step {memory_step}")
-            if self.events is not None:
-                self.events.emit("resumed", step=memory_step, source="memory", at_failure=extra["at_failure"])
-            return memory_step
+            return memory_step, "memory", extra
         if checkpoint is None:
-            return 0
+            return None
         state = self.checkpointer.load(checkpoint)
         self.sampler.load_state_dict(state["sampler"])
-        location = self.checkpointer.location(checkpoint)
+        return int(state["step"]), self.checkpointer.location(checkpoint), state
+
+    def _roll_back(self, trouble: RollBack) -> int:
+        """Every rank, alike: back to the newest state saved before the trouble, the batches from
+        there to it (and at least `guard.rollback_skip_batches`) skipped, the newer saves of the
+        abandoned steps removed. Returns the step rolled back to."""
+        guard = self.spec.guard
+        self.guard.rollbacks += 1
+        if self.guard.rollbacks > guard.max_rollbacks:
+            raise NonRetryable(
+                "training",
+                f"{trouble.reason}, after {guard.max_rollbacks} rollback{'s' if guard.max_rollbacks > 1 else ''} "
+                "(guard.max_rollbacks): the run keeps diverging; lower train.lr or train.grad_clip, raise "
+                "train.warmup_steps, or check the data",
+            )
+        self.checkpointer.wait()  # a background save commits first: it may be the newest state
+        before = self.guard.rollback_before(trouble.step)
+        restored = self._restore(before=before)
+        if restored is None:
+            raise NonRetryable(
+                "training", f"{trouble.reason}, and no checkpoint or snapshot from before step {before} to roll back to"
+            )
+        target, source, extra = restored
+        self.guard.rolled_back(target, extra.get("guard"))
+        skipped = self.guard.skipped_batches(trouble.step, target)
+        self.sampler.skip(skipped)
+        # A crash from here on must not resume the abandoned steps' state.
         if self.rank == 0:
-            say(f"resumed from step {state['step']} ({location})")
+            self.checkpointer.remove_newer_than(target)
+        if self.snapshots is not None:
+            self.snapshots.discard_newer_than(target)
+        if self.distributed:
+            dist.barrier()
+        self._held = (target, self.sampler.state_dict())
+        self._nonfinite_in_a_row = 0
+        self._last_step_end = None
+        what = f"rolled back to step {target} ({source}) and skipped {skipped} batches"
+        if self.rank == 0:
+            say(f"{trouble.reason}: {what} (rollback {self.guard.rollbacks} of {guard.max_rollbacks})")
         if self.events is not None:
-            self.events.emit("resumed", step=state["step"], path=location)
-        return int(state["step"])
+            self.events.emit(
+                "rolled_back", step=trouble.step, to_step=target, source="memory" if source == "memory" else "checkpoint",
+                skipped_batches=skipped, reason=trouble.reason, rollbacks=self.guard.rollbacks,
+            )  # fmt: skip
+        return target
 
     def _snapshot_extra(self, sampler: dict[str, int], policy: CheckpointPolicy, *, at_failure: bool) -> dict[str, Any]:
         """What an in-memory snapshot keeps beside the tensors."""
         return {
             "sampler": sampler,
+            "guard": self.guard.state_dict(),
             # Only LoRA's dropout draws (in forward): a periodic snapshot is taken between steps,
             # so the generators' state now is the held step's. One taken at a failure mid-step
             # keeps draws that step made, so a LoRA run with dropout resumed from it draws other
@@ -556,9 +631,16 @@ class Trainer:
             device=self.device.torch_device,
         )  # fmt: skip
         self._held = (done, self.sampler.state_dict())
-        for step in range(done + 1, cfg.steps + 1):
+        step = done + 1
+        while step <= cfg.steps:
             try:
-                self.train_step(step)
+                try:
+                    self.train_step(step)
+                except RollBack as trouble:
+                    step = self._roll_back(trouble) + 1
+                    policy.restart_clock()
+                    snapshot_policy.restart_clock()
+                    continue
                 if self.eval_due(step):
                     self.evaluate(step)  # before the save, so its checkpoint event carries the eval loss
                 self.checkpointer.poll()
@@ -572,6 +654,7 @@ class Trainer:
                     return self._checkpoint_and_stop(step)
                 if policy.due(step):
                     self.checkpointer.save(step, self.trainer_state())
+                step += 1
             except Exception:
                 self._snapshot_at_failure(policy)
                 raise

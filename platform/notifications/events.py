@@ -15,7 +15,7 @@ RUN_EVENTS = {
 }
 # What a run's own guard did (training/trainer.py), by the event its rank 0 reports: not a status
 # change, but what its owner would want to hear of before the run diverges.
-GUARD_EVENTS = {"step_skipped": "run.step_skipped"}
+GUARD_EVENTS = {"step_skipped": "run.step_skipped", "rolled_back": "run.rolled_back"}
 DEPLOYMENT_EVENTS = {"ready": "deployment.ready", "failed": "deployment.failed", "stopped": "deployment.stopped"}
 EVENTS = [*RUN_EVENTS.values(), *GUARD_EVENTS.values(), *DEPLOYMENT_EVENTS.values()]
 

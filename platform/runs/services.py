@@ -433,7 +433,8 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
             final = Checkpoint.objects.filter(run=run).order_by("-step").first()
             if final is not None:
                 enqueue_on_commit("runs.tasks.export_checkpoint", final.pk)
-        if any(e.kind == "checkpoint" for e in stored) or status in Run.FINISHED:
+        # A guard's rollback deletes the checkpoints of the steps it abandoned before it reports.
+        if any(e.kind in ("checkpoint", "rolled_back") for e in stored) or status in Run.FINISHED:
             stored += _mark_pruned(run)
         if back_after is not None:
             stored.append(_record(run, "node_reporting", {"node": source, "silent_s": back_after}, publish=False))
@@ -463,7 +464,13 @@ def _changes_from_events(
             # A run resumes only from a committed checkpoint: if the rank that committed it died
             # before reporting it, the resume reports it.
             checkpoint, _ = Checkpoint.objects.get_or_create(run=run, step=data["step"], defaults={"path": data["path"]})
-            if isinstance(data.get("eval_loss"), (int, float)) and checkpoint.eval_loss is None:
+            evaluated = isinstance(data.get("eval_loss"), (int, float))
+            if event.kind == "checkpoint" and checkpoint.pruned_at is not None:
+                # The guard rolled the run back past this step (its folder went) and it was saved again.
+                Checkpoint.objects.filter(pk=checkpoint.pk).update(
+                    path=data["path"], pruned_at=None, eval_loss=data["eval_loss"] if evaluated else None
+                )
+            elif evaluated and checkpoint.eval_loss is None:
                 Checkpoint.objects.filter(pk=checkpoint.pk).update(eval_loss=data["eval_loss"])
         elif event.kind == "eval" and isinstance(data.get("eval_loss"), (int, float)):
             # A checkpoint reported before its step's evaluation arrived (a resume re-reports one).

@@ -87,6 +87,15 @@ def test_the_run_page_resumes_after_its_last_event_when_the_web_process_restarts
     expect(rank1).to_have_attribute("data-state", "running")
     expect(rank1).to_have_attribute("data-failures", "1")
     expect(page.locator('#timeline li[data-kind="restarting"]')).to_contain_text("from checkpoint step 4")
+    # The run's guard rolled it back after a loss spike: the timeline says from where to where and why.
+    record(run, "rolled_back", {
+        "step": 9, "to_step": 6, "source": "memory", "skipped_batches": 3, "rollbacks": 1,
+        "reason": "loss spike at step 9: 41.2 is 80.0 standard deviations above the mean of the steps before it",
+    })  # fmt: skip
+    rolled_back = page.locator('#timeline li[data-kind="rolled_back"]')
+    expect(rolled_back).to_contain_text("Rolled back from step 9 to 6")
+    expect(rolled_back).to_contain_text("loss spike at step 9: 41.2 is 80.0 standard deviations")
+    expect(rolled_back).to_contain_text("resumed from the in-memory snapshot of step 6 and skipped 3 batches (rollback 1)")
 
     # Every event once: the timeline holds each non-metrics event's seq exactly once.
     expected = off_loop(lambda: list(run.events.exclude(kind="metrics").order_by("seq").values_list("seq", flat=True)))

@@ -61,6 +61,15 @@ class AgentRun:
         text = self.output.read_text(errors="replace") if self.output.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def failures(self) -> str:
+        """Each failure and restart the agent reported, then the tail of every rank's log: what
+        an assertion on the restarts shows when a run restarted more often than the test meant."""
+        lines = [json.dumps(e) for e in self.events if e["kind"] in ("rank_failed", "restarting", "resumed")]
+        for log in sorted((self.run_dir / "logs").glob("rank*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-25:]
+            lines += [f"--- {log.name}", *tail]
+        return "\n".join(lines)
+
     @property
     def events(self) -> list[dict[str, Any]]:
         """This node's spooled events: {"seq", "kind", "time", "data"}, in seq order."""

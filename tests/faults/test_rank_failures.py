@@ -37,7 +37,7 @@ def test_a_rank_killed_mid_step_resumes_on_the_uninterrupted_loss_curve(
         log = (faulty.run_dir / "logs" / "rank1.log").read_text()
         assert "Fatal Python error: Segmentation fault" in log
         assert "in _fire" in log and "heartbeat.py" in log, log[-3000:]  # the crashing thread and the others
-    assert [r["from_step"] for r in faulty.of_kind("restarting")] == [4]
+    assert [r["from_step"] for r in faulty.of_kind("restarting")] == [4], faulty.failures()
     # Rank 0's all-reduce of step 7 broke: it copied step 6, which it held whole, into memory
     # before it exited, and rank 1 (its replica) resumed from that copy. Only step 7 is trained again.
     assert [(r["step"], r["source"], r["at_failure"]) for r in faulty.of_kind("resumed")] == [(6, "memory", True)]

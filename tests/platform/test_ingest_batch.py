@@ -156,3 +156,27 @@ def test_a_run_queued_again_is_not_ended_by_what_its_stopped_agents_still_report
     succeeded = {"seq": 6, "kind": "succeeded", "time": 1.0e9 + 6, "data": {"step": 4}}
     ingest(client, run, {"source": "node-0", "events": [started, *metrics([5]), succeeded]})
     assert Run.objects.get(pk=run.pk).status == "succeeded"  # a job that ran whole before squeue said so
+
+
+def test_a_rollback_marks_the_abandoned_checkpoints_pruned_and_a_step_saved_again_counts_anew(run, tmp_path):
+    folders = {step: tmp_path / f"step_{step:08d}" for step in (4, 8, 12)}
+    for folder in folders.values():
+        folder.mkdir()
+
+    def report(seq: int, kind: str, **data: object) -> None:
+        services.do_ingest_events(run, "node-0", [{"seq": seq, "kind": kind, "time": None, "data": data}])
+
+    for seq, step in enumerate((4, 8, 12), 1):
+        report(seq, "checkpoint", step=step, path=str(folders[step]), eval_loss=5.0 - step / 10)
+    # The guard rolled back from a spike at step 13 to step 4; the ranks deleted 8 and 12 first.
+    folders[8].rmdir()
+    folders[12].rmdir()
+    report(4, "rolled_back", step=13, to_step=4, source="checkpoint", skipped_batches=9, reason="loss spike", rollbacks=1)
+    pruned = {c.step: c.pruned_at is not None for c in run.checkpoints.all()}
+    assert pruned == {4: False, 8: True, 12: True}
+    assert sorted(e.data["step"] for e in RunEvent.objects.filter(run=run, kind="checkpoint_pruned")) == [8, 12]
+    # Step 8 of the run after the rollback: a checkpoint again, with its own evaluation.
+    folders[8].mkdir()
+    report(5, "checkpoint", step=8, path=str(folders[8]), eval_loss=4.1)
+    again = run.checkpoints.get(step=8)
+    assert (again.pruned_at, again.eval_loss) == (None, 4.1)

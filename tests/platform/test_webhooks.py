@@ -573,3 +573,27 @@ def test_a_cancelled_run_and_a_stopped_deployment_are_events(
         ("run.cancelled", queued.pk), ("run.cancelled", running.pk), ("deployment.stopped", deployment.pk)
     ]  # fmt: skip
     assert heard[2]["deployment"]["status"] == "stopped"
+
+
+@pytest.mark.django_db
+def test_the_guards_skips_and_rollbacks_are_events_carrying_what_the_ranks_reported(
+    alice, alice_api, receiver, loopback_allowed, sent, django_capture_on_commit_callbacks
+):
+    add_webhook(alice_api, receiver.url, events=["run.step_skipped", "run.rolled_back"])
+    run = Run.objects.create(owner=alice, name="guarded", spec={}, status=Run.Status.RUNNING)
+    skipped = {"step": 5, "reason": "loss nan, gradient norm nan: not finite", "skipped": 1, "in_a_row": 1}
+    rolled_back = {
+        "step": 14, "to_step": 12, "source": "checkpoint", "skipped_batches": 3, "rollbacks": 1,
+        "reason": "loss spike at step 14: 52.05 is 227.5 standard deviations above the mean of the steps before it",
+    }  # fmt: skip
+    with django_capture_on_commit_callbacks(execute=True):
+        run_services.do_ingest_events(
+            run, "node-0",
+            [{"seq": 1, "kind": "step_skipped", "time": None, "data": skipped},
+             {"seq": 2, "kind": "rolled_back", "time": None, "data": rolled_back}],
+        )  # fmt: skip
+    work(sent, django_capture_on_commit_callbacks)
+    heard = sorted((json.loads(receiver.next(timeout=10)[1]) for _ in range(2)), key=lambda p: p["event"])
+    assert [(p["event"], p["run"]["id"]) for p in heard] == [("run.rolled_back", run.pk), ("run.step_skipped", run.pk)]
+    assert heard[0]["detail"] == {"kind": "rolled_back", **rolled_back}
+    assert heard[1]["detail"] == {"kind": "step_skipped", **skipped}

@@ -21,6 +21,7 @@ const IMPORTANCE = {
   waiting: "warn",
   restarting: "warn",
   step_skipped: "warn",
+  rolled_back: "warn",
   cancel_requested: "warn",
   cancelled: "warn",
   stopped: "warn",
@@ -60,6 +61,12 @@ export function describe(e) {
       return ["Checkpoint", `step ${e.step}`];
     case "step_skipped":
       return [`Step ${e.step} skipped`, `${e.reason}; its optimizer step was left out on every rank (${e.skipped} so far, ${e.in_a_row} in a row)`];
+    case "rolled_back":
+      return [
+        `Rolled back from step ${e.step} to ${e.to_step}`,
+        `${e.reason}; resumed from the ${e.source === "memory" ? "in-memory snapshot" : "checkpoint"} of step ${e.to_step} ` +
+          `and skipped ${e.skipped_batches} batch${e.skipped_batches === 1 ? "" : "es"} (rollback ${e.rollbacks})`,
+      ];
     case "node_lost":
       return ["Node lost", `${e.nodes_before} → ${e.nodes} nodes`];
     case "placed":
