@@ -513,9 +513,21 @@ class GuardConfig:
     # PaLM skipped 200-500 batches around each spike at 540B parameters; most runs are smaller.
     rollback_skip_batches: int = 50
     max_rollbacks: int = 3
+    # A rank whose own time per step (up to the end of its backward pass, so not the time it waits
+    # for the others) exceeds the median of the other ranks' by this share for `straggler_steps`
+    # steps in a row is reported as a straggler, and again once it is back in line; 0 turns it off.
+    straggler_margin: float = 0.25
+    straggler_steps: int = 20
 
     def __post_init__(self) -> None:
         _choice("guard", "nonfinite", self.nonfinite, get_args(NonFinite))
+        _positive("guard", self, "straggler_steps")
+        _require(
+            isinstance(self.straggler_margin, (int, float)) and not isinstance(self.straggler_margin, bool)
+            and 0 <= self.straggler_margin <= 10,
+            "guard.straggler_margin",
+            f"must be a number from 0 (off) to 10 (a share of the other ranks' median step); got {self.straggler_margin!r}",
+        )  # fmt: skip
         _positive("guard", self, "max_nonfinite_in_a_row", "max_rollbacks")
         _require(
             isinstance(self.spike_zscore, (int, float)) and not isinstance(self.spike_zscore, bool)

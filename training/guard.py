@@ -1,4 +1,5 @@
-"""The guard's judgement of each step's loss (spec.guard): a spike, and where a rollback goes.
+"""The guard's judgement of each step (spec.guard): a loss spike and where a rollback goes, and
+which ranks straggle.
 
 Pure bookkeeping, the same on every rank: each rank reads the step's loss from the all-reduce
 that every rank shares (the trainer's riders), so each judges the same numbers in the same
@@ -98,3 +99,85 @@ class LossGuard:
         self.losses = deque(state.get("losses", []), maxlen=self.config.window)
         self.rollbacks = int(state.get("rollbacks", 0))
         self.last_target = state.get("last_target")
+
+
+# Below this much (seconds) a rank's lag is noise, whatever its share of a tiny step.
+STRAGGLER_MIN_LAG_S = 0.005
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank that became a straggler (`slow`) or is back in line (not `slow`)."""
+
+    rank: int
+    slow: bool
+    steps: int  # in a row, slow or back in line
+    own_s: float  # its own time in the last of them
+    others_s: float  # the median of the other ranks' then
+
+    def as_event(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "steps": self.steps, "own_s": round(self.own_s, 4), "others_s": round(self.others_s, 4),
+            "slower_by": round(self.own_s / self.others_s, 2) if self.others_s > 0 else None,
+        }  # fmt: skip
+
+
+class StragglerWatch:
+    """Rank 0's view of every rank's own time per step (each rank's rides the loss's all-reduce).
+
+    A rank is slow in a step when its own time exceeds the median of its peers' by
+    `straggler_margin` (and by STRAGGLER_MIN_LAG_S); `straggler_steps` slow steps in a row make it
+    a straggler, as many in line end that. Its peers are the other ranks of its pipeline stage
+    (`peers`: the stages' ranks; stages differ in their work, and a stage's backward waits for the
+    next one's). The median of the others, not of all: with two ranks, the median of all lies
+    halfway to the straggler and hides half its lag."""
+
+    def __init__(self, config: GuardConfig, peers: list[list[int]]) -> None:
+        self.margin = config.straggler_margin
+        self.steps = config.straggler_steps
+        self.peers = [group for group in peers if len(group) > 1]
+        world_size = sum(len(group) for group in peers)
+        self._slow_for = [0] * world_size
+        self._fine_for = [0] * world_size
+        self.stragglers: set[int] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.margin > 0 and bool(self.peers)
+
+    def observe(self, times: list[float]) -> list[Straggler]:
+        """The changes this step's times (seconds, by rank) make."""
+        changes = []
+        for group in self.peers:
+            order = sorted(group, key=times.__getitem__)
+            ranked = [times[r] for r in order]
+            for position, rank in enumerate(order):
+                others = _median_without(ranked, position)
+                changes += self._judge(rank, times[rank], others)
+        return sorted(changes, key=lambda c: c.rank)
+
+    def _judge(self, rank: int, own: float, others: float) -> list[Straggler]:
+        if own > others * (1 + self.margin) and own - others > STRAGGLER_MIN_LAG_S:
+            self._slow_for[rank] += 1
+            self._fine_for[rank] = 0
+        else:
+            self._fine_for[rank] += 1
+            self._slow_for[rank] = 0
+        if rank not in self.stragglers and self._slow_for[rank] >= self.steps:
+            self.stragglers.add(rank)
+            return [Straggler(rank=rank, slow=True, steps=self.steps, own_s=own, others_s=others)]
+        if rank in self.stragglers and self._fine_for[rank] >= self.steps:
+            self.stragglers.discard(rank)
+            return [Straggler(rank=rank, slow=False, steps=self.steps, own_s=own, others_s=others)]
+        return []
+
+
+def _median_without(ranked: list[float], position: int) -> float:
+    """The median of sorted `ranked` with the value at `position` left out, in O(1)."""
+    n = len(ranked) - 1
+
+    def kept(i: int) -> float:  # the i-th smallest of what is left
+        return ranked[i] if i < position else ranked[i + 1]
+
+    middle = n // 2
+    return kept(middle) if n % 2 else (kept(middle - 1) + kept(middle)) / 2

@@ -34,7 +34,7 @@ from training.collectives import agreed
 from training.config import RunSpec, TrainConfig
 from training.data import PreparedData, ShardedSampler, TokenWindows
 from training.device import CPU, ComputeDevice, device_peak_memory_mb, host_cache, peak_flops
-from training.guard import LossGuard
+from training.guard import LossGuard, StragglerWatch
 from training.hooks import TrainHook
 from training.initial_weights import initial_weights
 from training.memory_snapshot import MemorySnapshots
@@ -197,6 +197,8 @@ class Trainer:
         self.stop_agreed = False  # at the last step's end some rank had found the stop request
         self.nonfinite_skipped = 0  # steps this process skipped (spec.guard)
         self.guard = LossGuard(spec.guard)
+        stages = [[r for r in range(world_size) if self.dims.coordinates(r)["pp"] == stage] for stage in range(self.dims.pp)]
+        self.stragglers = StragglerWatch(spec.guard, peers=stages)
         self._nonfinite_in_a_row = 0
         self.stopped_at: int | None = None  # the step `fit` checkpointed and stopped at, when asked to
 
@@ -311,6 +313,7 @@ class Trainer:
     # --- Training ---------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict[str, Any]:
+        entered = time.perf_counter()
         for hook in self.hooks:
             hook.on_step_start(step, self.params)
         start = time.perf_counter()
@@ -325,6 +328,11 @@ class Trainer:
         for i in range(self.spec.train.grad_accum):
             chunk = slice(i * micro, (i + 1) * micro)
             loss += self.forward_backward(inputs[chunk], targets[chunk], last_pass=i == self.spec.train.grad_accum - 1)
+        # This rank's own time in the step: from entering it (its hooks included) to the end of
+        # its backward pass, before it waits for the others' gradients; not what every rank does
+        # alike between steps (a checkpoint's save, an evaluation). Under tp or FSDP the
+        # collectives inside forward and backward count too (their waits cannot be told apart there).
+        own_time = time.perf_counter() - entered
         if self.model.grad_sync is not None:
             self.model.grad_sync.finish()
         for hook in self.hooks:
@@ -347,7 +355,7 @@ class Trainer:
             # every last-stage, first-tp rank's mean / dp over the world.
             holds_loss = self.model.has_last_stage and self.reports_loss
             share = loss / self.dims.dp if holds_loss else torch.zeros((), device=self.device.torch_device)
-            if self.stop_request is None and not guarding and not watching:
+            if self.stop_request is None and not guarding and not watching and not self.stragglers.enabled:
                 dist.all_reduce(share)
                 loss = share
             else:
@@ -355,12 +363,19 @@ class Trainer:
                 # rank learns in the same step whether any rank found the request (only one need
                 # see the file: the batch script's node sees it at once, a shared file system's
                 # other clients maybe later) or a non-finite value, and the loss the guard judges.
+                # Each rank's own time rides in its own slot, so rank 0 learns every rank's.
                 riders = torch.stack([
                     share, torch.full_like(share, float(asked)), spoiled if spoiled is not None else torch.zeros_like(share),
                 ])  # fmt: skip
+                if self.stragglers.enabled:
+                    times = torch.zeros(self.world_size, dtype=share.dtype, device=share.device)
+                    times[self.rank] = own_time
+                    riders = torch.cat([riders, times])
                 dist.all_reduce(riders)
-                loss_value, found, spoiled_anywhere = riders.tolist()  # one read from the device for all
+                loss_value, found, spoiled_anywhere, *own_times = riders.tolist()  # one read from the device for all
                 loss, asked, skipped = riders[0], found > 0, guarding and spoiled_anywhere > 0
+                if own_times and self.rank == 0:
+                    self._watch_stragglers(step, own_times)
         self.stop_agreed = asked
         trouble = self._trouble(step, loss, grad_norm) if skipped else None
         if trouble is None and not skipped and loss_value is not None:
@@ -426,6 +441,18 @@ class Trainer:
         if self._nonfinite_in_a_row >= limit:
             return f"the loss or gradient norm was not finite at {limit} steps in a row (the last, step {step}: {what})"
         return None
+
+    def _watch_stragglers(self, step: int, own_times: list[float]) -> None:
+        """Rank 0 reports each rank that became a straggler, or is back in line, at this step."""
+        for change in self.stragglers.observe(own_times):
+            figures = change.as_event()
+            if change.slow:
+                say(
+                    f"step {step}: rank {change.rank} straggles: {change.own_s * 1000:.0f} ms of its own a step against "
+                    f"the others' {change.others_s * 1000:.0f} ms, {change.steps} steps in a row"
+                )
+            if self.events is not None:
+                self.events.emit("straggler" if change.slow else "straggler_cleared", step=step, **figures)
 
     def _peak_memory_mb(self, now: float) -> float:
         """The rank's peak memory, read at most once a second: reading it costs ~80 µs on CPU

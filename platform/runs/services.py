@@ -379,6 +379,7 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
         stored: list[RunEvent] = []
         status: Run.Status | None = None
         if unique:
+            _name_hosts(run, unique)
             first = int(row["last_seq"]) + 1
             stored = RunEvent.objects.bulk_create(
                 RunEvent(
@@ -440,6 +441,28 @@ def do_ingest_events(run: Run, source: str, events: list[dict[str, Any]]) -> int
             stored.append(_record(run, "node_reporting", {"node": source, "silent_s": back_after}, publish=False))
         publish_on_commit(run_group(run.pk), [e.as_message() for e in stored])
     return max([held_up_to, *(e["seq"] for e in unique)])
+
+
+# Events rank 0 reports about another rank, whose host only that rank's node agent knew.
+_ABOUT_A_RANK = ("straggler", "straggler_cleared")
+
+
+def _name_hosts(run: Run, events: list[dict[str, Any]]) -> None:
+    """Adds the host to each event about a rank, from the last rendezvous that placed that rank
+    (each node agent reports its host and ranks); in place."""
+    about = [e for e in events if e.get("kind") in _ABOUT_A_RANK and isinstance(e.get("data"), dict)]
+    if not about:
+        return
+    stored = RunEvent.objects.filter(run=run, kind="rendezvous").order_by("seq").values_list("data", flat=True)
+    placements = [*stored, *(e["data"] for e in events if e.get("kind") == "rendezvous")]  # oldest first
+    hosts: dict[int, str] = {}
+    for data in placements:
+        if isinstance(data, dict):
+            hosts.update({rank: str(data.get("host", "")) for rank in data.get("ranks", []) if isinstance(rank, int)})
+    for event in about:
+        rank = event["data"].get("rank")
+        if isinstance(rank, int) and rank in hosts:
+            event["data"] = {**event["data"], "host": hosts[rank]}
 
 
 def _changes_from_events(

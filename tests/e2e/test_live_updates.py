@@ -30,6 +30,11 @@ def record(run: Run, kind: str, data: dict) -> None:
     off_loop(lambda: services.do_record_event(run, kind, data))
 
 
+def ingest(run: Run, seq: int, kind: str, data: dict) -> None:
+    """An event as node 0's agent reports it (the ingest adds what the control plane knows)."""
+    off_loop(lambda: services.do_ingest_events(run, "node-0", [{"seq": seq, "kind": kind, "time": None, "data": data}]))
+
+
 def record_metrics(run: Run, steps: range) -> None:
     for step in steps:
         record(
@@ -96,6 +101,16 @@ def test_the_run_page_resumes_after_its_last_event_when_the_web_process_restarts
     expect(rolled_back).to_contain_text("Rolled back from step 9 to 6")
     expect(rolled_back).to_contain_text("loss spike at step 9: 41.2 is 80.0 standard deviations")
     expect(rolled_back).to_contain_text("resumed from the in-memory snapshot of step 6 and skipped 3 batches (rollback 1)")
+    # Rank 0 names rank 1 a straggler; the control plane adds its host, from the rendezvous that placed it.
+    ingest(run, 1, "straggler", {"step": 12, "rank": 1, "steps": 20, "own_s": 0.25, "others_s": 0.05, "slower_by": 5.0})
+    expect(rank1).to_have_attribute("data-straggling", "true")
+    expect(rank1).to_contain_text("straggling: 250 ms of its own a step against its peers' 50 ms, 20 steps in a row")
+    straggler = page.locator('#timeline li[data-kind="straggler"]')
+    expect(straggler).to_contain_text("Rank 1 straggles")
+    expect(straggler).to_contain_text("on node-a: straggling: 250 ms")
+    ingest(run, 2, "straggler_cleared", {"step": 40, "rank": 1, "steps": 20, "own_s": 0.05, "others_s": 0.05, "slower_by": 1.0})
+    expect(rank1).to_have_attribute("data-straggling", "false")
+    expect(page.locator('#timeline li[data-kind="straggler_cleared"]')).to_contain_text("Rank 1 back in line")
 
     # Every event once: the timeline holds each non-metrics event's seq exactly once.
     expected = off_loop(lambda: list(run.events.exclude(kind="metrics").order_by("seq").values_list("seq", flat=True)))

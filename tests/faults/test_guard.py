@@ -140,3 +140,18 @@ def test_nonfinite_steps_in_a_row_roll_back_and_a_run_whose_steps_stay_nonfinite
         "after 1 rollback (guard.max_rollbacks): the run keeps diverging; lower train.lr or train.grad_clip, "
         "raise train.warmup_steps, or check the data"
     )
+
+
+def test_a_rank_on_a_slow_host_is_named_a_straggler_and_the_others_are_not(agents: Agents, tmp_path: Path) -> None:
+    # Rank 1's host stalls 0.2 s before each step from step 3 on, as a busy or throttled host would.
+    spec = guarded_spec(steps=10, faults=[{"kind": "slow_steps", "rank": 1, "step": 3}], straggler_steps=4)
+    run = agents.run(spec, tmp_path / "straggling")
+    assert run.process.returncode == 0, run.tail()
+    (straggler,) = run.of_kind("straggler")
+    # Slow at steps 3, 4, 5 and 6: named by the fourth, once, with its own time and the other's
+    # (a tiny step's ~50 ms against ~250 ms: the other rank's wait for it is not its own time).
+    # Sooner where its first steps were slower too (a busy machine's noise: the product waits 20).
+    assert (straggler["rank"], straggler["steps"]) == (1, 4) and 4 <= straggler["step"] <= 6, straggler
+    assert straggler["own_s"] >= 0.2 and straggler["slower_by"] >= 2, straggler
+    assert run.of_kind("straggler_cleared") == []
+    assert run.events[-1]["kind"] == "succeeded"

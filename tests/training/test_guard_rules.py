@@ -8,7 +8,7 @@ import math
 import pytest
 
 from training.config import GuardConfig, RunSpec, SpecError
-from training.guard import LossGuard
+from training.guard import LossGuard, StragglerWatch
 
 
 def fed(guard: LossGuard, losses: list[float], first_step: int = 1) -> list[int]:
@@ -91,9 +91,50 @@ def test_the_window_and_rollbacks_are_saved_and_a_rollback_keeps_its_count() -> 
         ({"window": 4}, "guard.window", "must be an integer ≥ 8"),
         ({"rollback_skip_batches": -1}, "guard.rollback_skip_batches", "must be an integer ≥ 0"),
         ({"max_rollbacks": 0}, "guard.max_rollbacks", "positive integer"),
+        ({"straggler_margin": -0.1}, "guard.straggler_margin", "must be a number from 0 (off) to 10"),
+        ({"straggler_steps": 0}, "guard.straggler_steps", "positive integer"),
     ],
 )
 def test_a_bad_guard_names_its_field(guard: dict[str, object], field: str, message: str) -> None:
     with pytest.raises(SpecError) as error:
         RunSpec.from_dict({"guard": guard})
     assert error.value.field == field and message in str(error.value)
+
+
+def test_the_median_of_the_others_leaves_out_the_one_judged() -> None:
+    from training.guard import _median_without
+
+    ranked = [1.0, 2.0, 3.0, 10.0]
+    assert [_median_without(ranked, p) for p in range(4)] == [3.0, 3.0, 2.0, 2.0]
+    assert [_median_without([1.0, 5.0], p) for p in range(2)] == [5.0, 1.0]
+    assert _median_without([1.0, 2.0, 4.0], 0) == 3.0
+
+
+def test_a_rank_slower_than_its_peers_for_the_set_steps_is_a_straggler_until_as_many_in_line() -> None:
+    watch = StragglerWatch(GuardConfig(straggler_margin=0.25, straggler_steps=3), peers=[[0, 1, 2, 3]])
+    assert watch.enabled
+    normal = [0.050, 0.051, 0.049, 0.050]
+    slow = [0.050, 0.051, 0.049, 0.250]  # rank 3: 5× the others' median
+    assert [watch.observe(slow) for _ in range(2)] == [[], []]
+    assert watch.observe(normal) == []  # not in a row: counted anew
+    assert [watch.observe(slow) for _ in range(2)] == [[], []]
+    (became,) = watch.observe(slow)
+    assert (became.rank, became.slow, became.steps) == (3, True, 3)
+    assert became.as_event() == {"rank": 3, "steps": 3, "own_s": 0.25, "others_s": 0.05, "slower_by": 5.0}
+    assert watch.observe(slow) == [] and watch.stragglers == {3}  # reported once
+    assert [watch.observe(normal) for _ in range(2)] == [[], []]
+    (cleared,) = watch.observe(normal)
+    assert (cleared.rank, cleared.slow) == (3, False) and watch.stragglers == set()
+
+
+def test_two_ranks_compare_each_with_the_other_and_tiny_lags_or_other_stages_are_no_straggling() -> None:
+    watch = StragglerWatch(GuardConfig(straggler_margin=0.25, straggler_steps=1), peers=[[0, 1]])
+    (became,) = watch.observe([0.100, 0.130])  # 1.3× the other: against the median of both it would hide
+    assert became.rank == 1
+    tiny = StragglerWatch(GuardConfig(straggler_margin=0.25, straggler_steps=1), peers=[[0, 1]])
+    assert tiny.observe([0.001, 0.004]) == []  # 4× but 3 ms: noise
+    # Stages are not peers: the first stage's backward waits for the last one's.
+    staged = StragglerWatch(GuardConfig(straggler_margin=0.25, straggler_steps=1), peers=[[0, 1], [2, 3]])
+    assert staged.observe([0.3, 0.3, 0.1, 0.1]) == []
+    assert not StragglerWatch(GuardConfig(), peers=[[0], [1]]).enabled  # pp=2 on two ranks: no peers
+    assert not StragglerWatch(GuardConfig(straggler_margin=0), peers=[[0, 1]]).enabled

@@ -1,6 +1,7 @@
 // The per-rank health grid, derived from a run's events alone: `rendezvous` says which ranks
 // run where, `metrics` how far the group got, `rank_failed` which rank went down and why,
-// `host_lost` which ranks went with a host. Ranks train in lockstep, so the group's step is each
+// `host_lost` which ranks went with a host, `straggler` which one the others wait for (until
+// `straggler_cleared` or the next rendezvous: new processes). Ranks train in lockstep, so the group's step is each
 // running rank's last step. A rendezvous with fewer ranks (a node was lost and `nodes.min` let
 // the rest go on) fits the mesh to the world it formed, as the ranks do (data parallelism
 // shrinks); the ranks past it stay on the grid, marked as having left the run.
@@ -29,7 +30,7 @@ export class RankGrid {
 
   resize(worldSize) {
     while (this.ranks.length < worldSize) {
-      this.ranks.push({ rank: this.ranks.length, state: "waiting", host: "", step: null, failures: 0, lastFailure: "" });
+      this.ranks.push({ rank: this.ranks.length, state: "waiting", host: "", step: null, failures: 0, lastFailure: "", straggling: null });
     }
     for (const rank of this.ranks.slice(worldSize)) if (rank.state !== "lost") rank.state = "left";
     const { tp, pp } = this.dims;
@@ -56,7 +57,7 @@ export class RankGrid {
         if (event.world_size) this.resize(event.world_size);
         for (const r of event.ranks ?? []) {
           const rank = this.ranks[r];
-          if (rank) Object.assign(rank, { state: "running", host: event.host ?? rank.host });
+          if (rank) Object.assign(rank, { state: "running", host: event.host ?? rank.host, straggling: null });
         }
         return true;
       case "metrics":
@@ -70,6 +71,13 @@ export class RankGrid {
         rank.host = event.host ?? rank.host;
         if (event.last_step != null) rank.step = event.last_step;
         rank.lastFailure = failureText(event);
+        return true;
+      }
+      case "straggler":
+      case "straggler_cleared": {
+        const rank = this.ranks[event.rank];
+        if (!rank) return false;
+        rank.straggling = event.kind === "straggler" ? event : null;
         return true;
       }
       case "host_lost":
@@ -102,11 +110,15 @@ export class RankGrid {
         const inMesh = r.rank < this.worldSize;
         return h(
           "li",
-          { class: `rank rank-${r.state}`, dataset: { rank: r.rank, state: r.state, failures: r.failures } },
+          {
+            class: `rank rank-${r.state}${r.straggling ? " rank-straggling" : ""}`,
+            dataset: { rank: r.rank, state: r.state, failures: r.failures, straggling: Boolean(r.straggling) },
+          },
           h("div", { class: "rank-head" }, h("strong", {}, `Rank ${r.rank}`), h("span", { class: "rank-state" }, STATE_TEXT[r.state])),
           h("div", { class: "muted" }, inMesh ? `dp ${dp} · tp ${tp} · pp ${pp}` : `not in the ${this.worldSize}-rank world`),
           h("div", {}, r.host || "host unknown"),
           h("div", {}, r.step == null ? "no step yet" : `step ${r.step}`),
+          r.straggling ? h("div", { class: "rank-straggling-note" }, stragglerText(r.straggling)) : null,
           r.failures
             ? h("div", { class: "rank-failures" }, `${r.failures} failure${r.failures > 1 ? "s" : ""}: ${r.lastFailure}`)
             : null,
@@ -122,4 +134,10 @@ export function failureText(event) {
   else if (event.exit_code != null) details.push(`exit ${event.exit_code}`);
   if (event.silent_for != null) details.push(`silent ${Number(event.silent_for).toFixed(1)} s`);
   return `${event.reason ?? "failed"}${details.length ? ` (${details.join(", ")})` : ""}`;
+}
+
+export function stragglerText(event) {
+  const own = Math.round(Number(event.own_s) * 1000);
+  const others = Math.round(Number(event.others_s) * 1000);
+  return `straggling: ${own} ms of its own a step against its peers' ${others} ms, ${event.steps} steps in a row`;
 }

@@ -2,7 +2,7 @@
 // happened in words. Items carry `data-kind` so a reader (or a test) can find restarts.
 
 import { clockTime, h } from "./dom.js";
-import { failureText } from "./ranks.js";
+import { failureText, stragglerText } from "./ranks.js";
 
 // The newest items kept on the page; a long run's older history stays in the API.
 const MAX_ITEMS = 300;
@@ -22,6 +22,8 @@ const IMPORTANCE = {
   restarting: "warn",
   step_skipped: "warn",
   rolled_back: "warn",
+  straggler: "warn",
+  straggler_cleared: "ok",
   cancel_requested: "warn",
   cancelled: "warn",
   stopped: "warn",
@@ -67,6 +69,10 @@ export function describe(e) {
         `${e.reason}; resumed from the ${e.source === "memory" ? "in-memory snapshot" : "checkpoint"} of step ${e.to_step} ` +
           `and skipped ${e.skipped_batches} batch${e.skipped_batches === 1 ? "" : "es"} (rollback ${e.rollbacks})`,
       ];
+    case "straggler":
+      return [`Rank ${e.rank} straggles`, `${e.host ? `on ${e.host}: ` : ""}${stragglerText(e)}${e.slower_by ? ` (${e.slower_by}×)` : ""}`];
+    case "straggler_cleared":
+      return [`Rank ${e.rank} back in line`, `${e.host ? `on ${e.host}: ` : ""}as fast as its peers for ${e.steps} steps`];
     case "node_lost":
       return ["Node lost", `${e.nodes_before} → ${e.nodes} nodes`];
     case "placed":
