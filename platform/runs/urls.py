@@ -9,6 +9,7 @@ from runs.views import (
     PretrainedModelViewSet,
     ProjectViewSet,
     RunEventsView,
+    RunGoodputView,
     RunViewSet,
     ShippedLogsView,
 )
@@ -22,6 +23,7 @@ router.register("projects", ProjectViewSet, basename="project")
 
 urlpatterns = [
     path("runs/<int:run_id>/events/", RunEventsView.as_view(), name="run-events"),
+    path("runs/<int:run_id>/goodput/", RunGoodputView.as_view(), name="run-goodput"),
     path("runs/<int:run_id>/shipped-logs/", ShippedLogsView.as_view(), name="run-shipped-logs"),
     path("runs/<int:run_id>/logs.tar", RunLogsDownload.as_view(), name="run-logs-tar"),
     path(

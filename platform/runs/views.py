@@ -21,7 +21,7 @@ from controlplane.exceptions import InvalidInput
 from controlplane.shipped_pieces import ShippedPieceView
 from hosts.models import DeviceClaim
 from launch import run_agents
-from runs import access, compare, logs, organise, services, specs
+from runs import access, compare, goodput, logs, organise, services, specs
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, Run
 from runs.serializers import (
     CheckpointSerializer,
@@ -296,6 +296,28 @@ class RunEventsView(APIView):
         # IngestSerializer documents the body; plain checks validate it (services.check_ingest_batch says why).
         source, events = services.check_ingest_batch(request.data)
         return Response({"last_seq": services.do_ingest_events(run, source, events)})
+
+
+GOODPUT_SCHEMA = inline_serializer(
+    "Goodput",
+    {
+        "wall_s": serializers.FloatField(help_text="From the run's first event to its last."),
+        "goodput": serializers.FloatField(allow_null=True, help_text="The share of it spent on productive steps."),
+        "seconds": serializers.DictField(
+            child=serializers.FloatField(), help_text=f"Seconds by bucket: {', '.join(goodput.BUCKETS)}."
+        ),
+    },
+)
+
+
+class RunGoodputView(APIView):
+    """GET: where the run's wall time went, from its events (runs/goodput.py; docs/training.md)."""
+
+    @extend_schema(responses=GOODPUT_SCHEMA)
+    def get(self, request: Request, run_id: int) -> Response:
+        run = get_object_or_404(access.visible_runs(request.user), pk=run_id)
+        rows = run.events.order_by("seq").values_list("kind", "time", "data")
+        return Response(goodput.ledger((kind, time.timestamp(), data) for kind, time, data in rows).as_dict())
 
 
 NODE_TOKEN_REQUIRED = "The bearer token of the node that {what} names, in the run's current launch, is required."

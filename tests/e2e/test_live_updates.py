@@ -111,6 +111,10 @@ def test_the_run_page_resumes_after_its_last_event_when_the_web_process_restarts
     ingest(run, 2, "straggler_cleared", {"step": 40, "rank": 1, "steps": 20, "own_s": 0.05, "others_s": 0.05, "slower_by": 1.0})
     expect(rank1).to_have_attribute("data-straggling", "false")
     expect(page.locator('#timeline li[data-kind="straggler_cleared"]')).to_contain_text("Rank 1 back in line")
+    # Where the time went, read again after the events that moved it: steps, then the failure's down time.
+    expect(page.locator('#goodput-rows tr[data-bucket="productive"]')).to_contain_text("Productive steps")
+    expect(page.locator('#goodput-rows tr[data-bucket="down"]')).to_contain_text("Down after failures")
+    expect(page.locator("#goodput-share")).to_contain_text("goodput")
 
     # Every event once: the timeline holds each non-metrics event's seq exactly once.
     expected = off_loop(lambda: list(run.events.exclude(kind="metrics").order_by("seq").values_list("seq", flat=True)))

@@ -6,7 +6,7 @@ import { LineChart, formatNumber } from "./chart.js";
 import { every, h, pageData } from "./dom.js";
 import { LiveEvents } from "./live.js";
 import { RankGrid } from "./ranks.js";
-import { Checkpoints, LogTail, formatBytes } from "./run_panels.js";
+import { Checkpoints, Goodput, LogTail, formatBytes } from "./run_panels.js";
 import { Timeline } from "./timeline.js";
 
 // How often the log tail is read while the run is active.
@@ -35,6 +35,7 @@ $("loss-smoothing").addEventListener("input", (event) => {
 $("loss-log").addEventListener("change", (event) => charts.loss.setLogScale(event.target.checked));
 const grid = new RankGrid($("rank-grid"), run.layout);
 const timeline = new Timeline($("timeline"));
+const goodput = new Goodput(run.id, { bar: $("goodput-bar"), rows: $("goodput-rows"), share: $("goodput-share") });
 const checkpoints = new Checkpoints(run.id, $("checkpoint-rows"), $("checkpoints-empty"), { seqLen: run.seq_len, onDeploy: openDeploy });
 const logTail = new LogTail(run.id, $("log-tail"), $("log-rank"));
 logTail.setWorldSize(grid.worldSize);
@@ -97,6 +98,7 @@ function onEvents(events) {
   if (silenceChanged) showSilence();
   timeline.add(events);
   if (rowChanged) refreshRunSoon();
+  if (events.some((e) => e.kind !== "metrics")) goodput.refreshSoon(); // a phase began or ended
 }
 
 /** "node-1 silent" while a node agent has not posted past the control plane's threshold. */
@@ -346,6 +348,7 @@ new LiveEvents(`/ws/runs/${run.id}/`, onEvents, { onState: showLiveState }).star
 grid.render();
 refreshRun().catch(showActionError);
 checkpoints.refresh().catch(() => {});
+goodput.refresh().catch(() => {});
 logTail.refresh().catch(() => {});
 every(LOG_REFRESH_MS, async () => {
   if (ACTIVE.has(status)) await logTail.refresh();

@@ -162,3 +162,55 @@ export class LogTail {
     }
   }
 }
+
+const GOODPUT_LABELS = {
+  productive: "Productive steps",
+  queued: "Queued",
+  startup: "Starting",
+  checkpoint: "Checkpoint saves",
+  evaluation: "Evaluation",
+  down: "Down after failures",
+  replayed: "Replayed steps",
+  rolled_back: "Rolled back",
+  other: "Other",
+};
+
+/** The run's goodput ledger (`/api/runs/<id>/goodput/`): one bar and a table, read again soon
+ * after the events that move time between its buckets. */
+export class Goodput {
+  constructor(runId, { bar, rows, share }) {
+    Object.assign(this, { runId, bar, rows, share, timer: null });
+  }
+
+  refreshSoon() {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.refresh().catch(() => {}), 2000);
+  }
+
+  async refresh() {
+    this.render(await api(`/api/runs/${this.runId}/goodput/`));
+  }
+
+  render(ledger) {
+    const wall = ledger.wall_s;
+    this.share.textContent = ledger.goodput == null ? "" : `· goodput ${(ledger.goodput * 100).toFixed(1)} %`;
+    this.share.dataset.goodput = ledger.goodput ?? "";
+    const spent = Object.entries(ledger.seconds).filter(([, s]) => s > 0);
+    this.bar.replaceChildren(
+      ...spent.map(([bucket, s]) =>
+        h("span", { class: `goodput-${bucket}`, style: `width: ${(100 * s) / wall}%`, title: `${GOODPUT_LABELS[bucket]}: ${s.toFixed(1)} s` }),
+      ),
+    );
+    this.rows.replaceChildren(
+      ...spent.map(([bucket, s]) =>
+        h(
+          "tr",
+          { dataset: { bucket } },
+          h("th", {}, h("span", { class: `goodput-key goodput-${bucket}` }), GOODPUT_LABELS[bucket] ?? bucket),
+          h("td", {}, `${s.toFixed(1)} s`),
+          h("td", {}, `${((100 * s) / wall).toFixed(1)} %`),
+        ),
+      ),
+    );
+  }
+}
