@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from controlplane.exceptions import InvalidInput
+from runs.goodput import ledger
 from runs.models import Run, RunEvent
 
 MIN_RUNS = 2
@@ -98,10 +99,21 @@ def _figures(curves: dict[str, dict[int, float]]) -> tuple[dict[str, Any], dict[
     return final, best
 
 
+def _goodputs(last_seqs: dict[int, int]) -> dict[int, dict[str, Any]]:
+    """Each run's goodput ledger (runs/goodput.py) up to its `last_seq`."""
+    events: dict[int, list[tuple[str, float, dict[str, Any]]]] = {pk: [] for pk in last_seqs}
+    rows = RunEvent.objects.filter(run_id__in=list(last_seqs)).order_by("seq").values_list("run_id", "seq", "kind", "time", "data")
+    for run_id, seq, kind, time, data in rows.iterator():
+        if seq <= last_seqs[run_id]:
+            events[run_id].append((kind, time.timestamp(), data))
+    return {pk: ledger(held).as_dict() for pk, held in events.items()}
+
+
 def comparison(runs: list[Run], all_fields: bool = False) -> dict[str, Any]:
     """What `GET /api/runs/compare/` answers for these runs (in the order asked)."""
     last_seqs = {run.pk: run.last_seq for run in runs}
     series = _series(last_seqs, last_seqs)
+    goodputs = _goodputs(last_seqs)
     compared = []
     for run in runs:
         curves = series[run.pk]
@@ -120,6 +132,7 @@ def comparison(runs: list[Run], all_fields: bool = False) -> dict[str, Any]:
                 "series": {m: [[s, v] for s, v in sorted(points.items())] for m, points in curves.items()},
                 "final": final,
                 "best": best,
+                "goodput": goodputs[run.pk],
             }
         )
     return {"runs": compared, "spec": spec_diff(runs, all_fields), "all_fields": all_fields}

@@ -9,6 +9,7 @@ from rest_framework import serializers
 from controlplane.api import ModelSerializer, Text
 from hosts import scheduling
 from runs import access, compare, datasets, organise, services, specs
+from runs.goodput import BUCKETS as GOODPUT_BUCKETS
 from runs.models import Checkpoint, Dataset, PretrainedModel, Project, ProjectMember, QuantizedExport, Run, RunEvent
 from serving.quantize import folder_size
 from training.config import RECIPES
@@ -359,6 +360,16 @@ def _per_metric(name: str, field: Any) -> Any:
     return inline_serializer(name, {metric: field() for metric in compare.METRICS})
 
 
+class GoodputSerializer(serializers.Serializer):
+    """A run's goodput ledger (runs/goodput.py)."""
+
+    wall_s = serializers.FloatField(help_text="From the run's first event to its last.")
+    goodput = serializers.FloatField(allow_null=True, help_text="The share of it spent on productive steps.")
+    seconds = serializers.DictField(
+        child=serializers.FloatField(), help_text=f"Seconds by bucket: {', '.join(GOODPUT_BUCKETS)}."
+    )
+
+
 class ComparedRunSerializer(serializers.Serializer):
     id = serializers.IntegerField()
     name = serializers.CharField()
@@ -376,6 +387,7 @@ class ComparedRunSerializer(serializers.Serializer):
     )
     final = _per_metric("FinalFigures", lambda: FigureSerializer(allow_null=True))
     best = _per_metric("BestFigures", lambda: FigureSerializer(allow_null=True))
+    goodput = GoodputSerializer(help_text="Where the run's wall time went.")
 
 
 class SpecFieldSerializer(serializers.Serializer):

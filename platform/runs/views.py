@@ -30,6 +30,7 @@ from runs.serializers import (
     ComparisonSerializer,
     DatasetPathSerializer,
     DatasetSerializer,
+    GoodputSerializer,
     IngestSerializer,
     MemberSerializer,
     OrganiseSerializer,
@@ -298,22 +299,10 @@ class RunEventsView(APIView):
         return Response({"last_seq": services.do_ingest_events(run, source, events)})
 
 
-GOODPUT_SCHEMA = inline_serializer(
-    "Goodput",
-    {
-        "wall_s": serializers.FloatField(help_text="From the run's first event to its last."),
-        "goodput": serializers.FloatField(allow_null=True, help_text="The share of it spent on productive steps."),
-        "seconds": serializers.DictField(
-            child=serializers.FloatField(), help_text=f"Seconds by bucket: {', '.join(goodput.BUCKETS)}."
-        ),
-    },
-)
-
-
 class RunGoodputView(APIView):
     """GET: where the run's wall time went, from its events (runs/goodput.py; docs/training.md)."""
 
-    @extend_schema(responses=GOODPUT_SCHEMA)
+    @extend_schema(responses=GoodputSerializer)
     def get(self, request: Request, run_id: int) -> Response:
         run = get_object_or_404(access.visible_runs(request.user), pk=run_id)
         rows = run.events.order_by("seq").values_list("kind", "time", "data")

@@ -78,6 +78,11 @@ def test_compare_gives_each_runs_series_and_its_final_and_best_figures(alice_api
     assert first["last_seq"] == Run.objects.get(pk=base.pk).last_seq
     assert second["series"]["loss"] == [[1, 6.0]]
     assert second["final"]["eval_loss"] is None and second["best"]["eval_loss"] is None
+    # Each run's goodput ledger beside its figures (runs/goodput.py): the base run's three steps
+    # after the first are all it did, a run of one step has none.
+    assert set(first["goodput"]) == {"wall_s", "goodput", "seconds"}
+    assert first["goodput"]["seconds"]["productive"] + first["goodput"]["seconds"]["replayed"] > 0
+    assert second["goodput"]["seconds"]["productive"] == 0
 
 
 @pytest.mark.parametrize(

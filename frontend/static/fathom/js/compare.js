@@ -125,6 +125,9 @@ function renderFigures() {
   // The run's row counts steps as its agents report them; the curves may hold a later one.
   const lastStep = (i) => Math.max(runs[i].step, ...curves[i].loss.keys());
   rows.push(h("tr", { dataset: { figure: "steps" } }, h("th", { scope: "row" }, "Steps"), runs.map((run, i) => h("td", { class: "num" }, `${lastStep(i)}/${run.total_steps}`))));
+  // Where each run's time went, as the API read it (the run page keeps it current).
+  const share = (g) => (g?.goodput == null ? "–" : `${(g.goodput * 100).toFixed(1)} % of ${g.wall_s.toFixed(0)} s`);
+  rows.push(h("tr", { dataset: { figure: "goodput" } }, h("th", { scope: "row" }, "Goodput"), runs.map((run) => h("td", { class: "num" }, share(run.goodput)))));
   $("figures").replaceChildren(head, h("tbody", {}, rows));
 }
 
