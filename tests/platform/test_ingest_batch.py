@@ -180,3 +180,16 @@ def test_a_rollback_marks_the_abandoned_checkpoints_pruned_and_a_step_saved_agai
     report(5, "checkpoint", step=8, path=str(folders[8]), eval_loss=4.1)
     again = run.checkpoints.get(step=8)
     assert (again.pruned_at, again.eval_loss) == (None, 4.1)
+
+
+def test_a_straggler_reported_by_rank_0_is_stored_with_the_host_its_rank_runs_on(run):
+    def report(seq: int, kind: str, **data: object) -> None:
+        services.do_ingest_events(run, "node-0", [{"seq": seq, "kind": kind, "time": None, "data": data}])
+
+    report(1, "rendezvous", attempt=0, host="node-a", ranks=[0, 1], world_size=4)
+    report(2, "rendezvous", attempt=0, host="node-b", ranks=[2, 3], world_size=4)
+    report(3, "straggler", step=30, rank=3, steps=20, own_s=0.25, others_s=0.05, slower_by=5.0)
+    report(4, "rendezvous", attempt=1, host="node-c", ranks=[2, 3], world_size=4)  # placed again elsewhere
+    report(5, "straggler_cleared", step=70, rank=3, steps=20, own_s=0.05, others_s=0.05, slower_by=1.0)
+    stored = {e.kind: e.data for e in RunEvent.objects.filter(run=run, kind__startswith="straggler")}
+    assert stored["straggler"]["host"] == "node-b" and stored["straggler_cleared"]["host"] == "node-c"
