@@ -7,11 +7,11 @@ that then opens the run's websocket with `?after=last_seq` misses no point and r
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from controlplane.exceptions import InvalidInput
-from runs.goodput import ledger
+from runs.goodput import ledger_of
 from runs.models import Run, RunEvent
 
 MIN_RUNS = 2
@@ -19,6 +19,7 @@ MAX_RUNS = 8
 IDS_RULE = f"{MIN_RUNS} to {MAX_RUNS} different run ids, comma-separated (?ids=3,7)"
 # Which event kind carries each compared metric, and whether more is better.
 METRICS = {"loss": "metrics", "eval_loss": "eval", "tokens_per_s": "metrics", "mfu": "metrics"}
+METRIC_KINDS = set(METRICS.values())
 HIGHER_IS_BETTER = {"tokens_per_s", "mfu"}
 _MISSING = object()
 
@@ -62,23 +63,28 @@ def spec_diff(runs: list[Run], all_fields: bool = False) -> list[dict[str, Any]]
     return rows
 
 
-def _series(run_ids: Iterable[int], last_seqs: dict[int, int]) -> dict[int, dict[str, dict[int, float]]]:
-    """Each run's metrics by step; a step repeated after a restart keeps its latest value."""
-    series: dict[int, dict[str, dict[int, float]]] = {pk: {m: {} for m in METRICS} for pk in run_ids}
+def _read(last_seqs: dict[int, int]) -> tuple[dict[int, dict[str, dict[int, float]]], dict[int, dict[str, Any]]]:
+    """Each run's metrics by step (a step repeated after a restart keeps its latest value) and its
+    goodput ledger (runs/goodput.py), from one read of its events up to its `last_seq`."""
+    series: dict[int, dict[str, dict[int, float]]] = {pk: {m: {} for m in METRICS} for pk in last_seqs}
+    events: dict[int, list[tuple[str, datetime, dict[str, Any]]]] = {pk: [] for pk in last_seqs}
     rows = (
-        RunEvent.objects.filter(run_id__in=list(series), kind__in=set(METRICS.values()))
+        RunEvent.objects.filter(run_id__in=list(last_seqs))
         .order_by("seq")
-        .values_list("run_id", "seq", "kind", "data")
+        .values_list("run_id", "seq", "kind", "time", "data")
     )
-    for run_id, seq, kind, data in rows.iterator():
+    for run_id, seq, kind, time, data in rows.iterator():
+        if seq > last_seqs[run_id]:
+            continue
+        events[run_id].append((kind, time, data))
         step = data.get("step")
-        if seq > last_seqs[run_id] or not isinstance(step, int):
+        if kind not in METRIC_KINDS or not isinstance(step, int):
             continue
         for metric, metric_kind in METRICS.items():
             value = data.get(metric)
             if metric_kind == kind and isinstance(value, (int, float)) and not isinstance(value, bool):
                 series[run_id][metric][step] = float(value)
-    return series
+    return series, {pk: ledger_of(held).as_dict() for pk, held in events.items()}
 
 
 def _figures(curves: dict[str, dict[int, float]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -99,21 +105,10 @@ def _figures(curves: dict[str, dict[int, float]]) -> tuple[dict[str, Any], dict[
     return final, best
 
 
-def _goodputs(last_seqs: dict[int, int]) -> dict[int, dict[str, Any]]:
-    """Each run's goodput ledger (runs/goodput.py) up to its `last_seq`."""
-    events: dict[int, list[tuple[str, float, dict[str, Any]]]] = {pk: [] for pk in last_seqs}
-    rows = RunEvent.objects.filter(run_id__in=list(last_seqs)).order_by("seq").values_list("run_id", "seq", "kind", "time", "data")
-    for run_id, seq, kind, time, data in rows.iterator():
-        if seq <= last_seqs[run_id]:
-            events[run_id].append((kind, time.timestamp(), data))
-    return {pk: ledger(held).as_dict() for pk, held in events.items()}
-
-
 def comparison(runs: list[Run], all_fields: bool = False) -> dict[str, Any]:
     """What `GET /api/runs/compare/` answers for these runs (in the order asked)."""
     last_seqs = {run.pk: run.last_seq for run in runs}
-    series = _series(last_seqs, last_seqs)
-    goodputs = _goodputs(last_seqs)
+    series, goodputs = _read(last_seqs)
     compared = []
     for run in runs:
         curves = series[run.pk]

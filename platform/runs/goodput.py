@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 BUCKETS = ("productive", "queued", "startup", "checkpoint", "evaluation", "down", "replayed", "rolled_back", "other")
@@ -118,6 +119,11 @@ def ledger(events: Iterable[tuple[str, float, dict[str, Any]]]) -> Ledger:
         cursor = time
     _split_steps(result, spent)
     return result
+
+
+def ledger_of(rows: Iterable[tuple[str, datetime, dict[str, Any]]]) -> Ledger:
+    """The ledger of stored events, as (kind, time, data) rows of RunEvent in seq order."""
+    return ledger((kind, time.timestamp(), data) for kind, time, data in rows)
 
 
 def _phase_bucket(mode: str) -> str:

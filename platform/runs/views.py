@@ -305,8 +305,7 @@ class RunGoodputView(APIView):
     @extend_schema(responses=GoodputSerializer)
     def get(self, request: Request, run_id: int) -> Response:
         run = get_object_or_404(access.visible_runs(request.user), pk=run_id)
-        rows = run.events.order_by("seq").values_list("kind", "time", "data")
-        return Response(goodput.ledger((kind, time.timestamp(), data) for kind, time, data in rows).as_dict())
+        return Response(goodput.ledger_of(run.events.order_by("seq").values_list("kind", "time", "data")).as_dict())
 
 
 NODE_TOKEN_REQUIRED = "The bearer token of the node that {what} names, in the run's current launch, is required."
