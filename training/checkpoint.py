@@ -413,8 +413,8 @@ class Checkpointer:
         os.rename(staging, final)
         _write_durably(CheckpointDir(final).committed_marker, f"{step}\n")
         _fsync_dir(final.parent)
-        for old in self.run_dir.committed_checkpoints()[: -self.spec.train.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in self.committed_steps()[: -self.spec.train.keep_checkpoints]:
+            self._remove(old)
 
     def _commit_stored(self, step: int, metadata_text: str) -> None:
         """Every rank's shards and RNG file and DCP's metadata are written: add rank 0's files,
@@ -427,7 +427,7 @@ class Checkpointer:
             stored.fs.put_file(str(self.tokenizer_dir / name), stored.path_of(step, CHECKPOINT_TOKENIZER, name))
         stored.commit(step)
         for old in stored.committed_steps()[: -self.spec.train.keep_checkpoints]:
-            stored.remove(old)
+            self._remove(old)
 
     # Which checkpoints there are ----------------------------------------------------------------
 
@@ -445,12 +445,16 @@ class Checkpointer:
     def remove_newer_than(self, step: int) -> None:
         """Deletes the committed checkpoints after `step`: a guard's rollback abandoned them (rank 0)."""
         for newer in (s for s in self.committed_steps() if s > step):
-            if self.stored is not None:
-                self.stored.remove(newer)
-            else:
-                path = self.run_dir.checkpoint(newer)
-                CheckpointDir(path).committed_marker.unlink(missing_ok=True)  # first: what is left never counts
-                shutil.rmtree(path, ignore_errors=True)
+            self._remove(newer)
+
+    def _remove(self, step: int) -> None:
+        """Deletes the committed checkpoint of `step`, its marker first: what is left never counts."""
+        if self.stored is not None:
+            self.stored.remove(step)
+            return
+        path = self.run_dir.checkpoint(step)
+        CheckpointDir(path).committed_marker.unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
 
     def remove_uncommitted(self) -> None:
         """Deletes the torn saves of an earlier attempt; rank 0, before any rank saves."""
